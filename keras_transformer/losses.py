@@ -1,0 +1,125 @@
+"""5.4 Regularization: label-smoothed cross-entropy; plus token accuracy and perplexity.
+
+All three ignore padding (label id 0) and compute in float32 even when the model runs in
+bfloat16/float16. None materializes one-hot labels: the smoothed cross-entropy is
+(1 - eps) * NLL(label) + eps * (logsumexp(logits) - mean(logits)), since the smoothed target
+puts eps / V on every class.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+PAD_ID = 0
+
+
+def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
+    """Per-token (smoothed) cross-entropy.
+
+    Args:
+        labels: int (batch, length).
+        logits: (batch, length, vocab).
+        label_smoothing: eps_ls; the target is (1 - eps) * one_hot + eps / vocab.
+
+    Returns:
+        float32 (batch, length); not yet masked.
+    """
+    logits = ops.cast(logits, "float32")
+    log_normalizer = ops.logsumexp(logits, axis=-1)
+    label_logits = ops.take_along_axis(
+        logits, ops.expand_dims(ops.cast(labels, "int32"), -1), axis=-1
+    )[..., 0]
+    nll = log_normalizer - label_logits
+    if not label_smoothing:
+        return nll
+    uniform = log_normalizer - ops.mean(logits, axis=-1)
+    return (1.0 - label_smoothing) * nll + label_smoothing * uniform
+
+
+def _real_tokens(labels):
+    return ops.cast(ops.not_equal(labels, PAD_ID), "float32")
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class LabelSmoothedCrossEntropy(keras.losses.Loss):
+    """Mean label-smoothed cross-entropy over the non-padding tokens of a batch.
+
+    Args:
+        label_smoothing: paper: 0.1.
+
+    Call arguments:
+        y_true: int labels (batch, length), 0 = padding.
+        y_pred: logits (batch, length, vocab).
+
+    Returns:
+        float32 scalar.
+    """
+
+    def __init__(self, label_smoothing: float = 0.1, name: str = "label_smoothed_ce", **kwargs):
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
+        super().__init__(name=name, dtype="float32", **kwargs)
+        self.label_smoothing = label_smoothing
+
+    def call(self, y_true, y_pred):
+        weights = _real_tokens(y_true)
+        losses = token_cross_entropy(y_true, y_pred, self.label_smoothing)
+        return ops.sum(losses * weights) / ops.maximum(ops.sum(weights), 1.0)
+
+    def get_config(self) -> dict:
+        return {"label_smoothing": self.label_smoothing, "name": self.name}
+
+
+class _MaskedMean(keras.metrics.Metric):
+    """Running mean of a per-token value over non-padding tokens."""
+
+    def __init__(self, name: str, **kwargs):
+        kwargs.pop("dtype", None)  # always float32, also when restored from a config
+        super().__init__(name=name, dtype="float32", **kwargs)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def per_token(self, y_true, y_pred):
+        raise NotImplementedError
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        weights = _real_tokens(y_true)
+        if sample_weight is not None:
+            weights = weights * ops.cast(sample_weight, "float32")
+        self.total.assign_add(ops.sum(self.per_token(y_true, y_pred) * weights))
+        self.count.assign_add(ops.sum(weights))
+
+    def result(self):
+        return self.total / ops.maximum(self.count, 1.0)
+
+    def reset_state(self):
+        self.total.assign(0.0)
+        self.count.assign(0.0)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class MaskedAccuracy(_MaskedMean):
+    """Fraction of non-padding tokens whose argmax prediction is the label."""
+
+    def __init__(self, name: str = "accuracy", **kwargs):
+        super().__init__(name=name, **kwargs)
+
+    def per_token(self, y_true, y_pred):
+        predictions = ops.argmax(y_pred, axis=-1)
+        return ops.cast(ops.equal(ops.cast(y_true, "int32"), ops.cast(predictions, "int32")),
+                        "float32")
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class Perplexity(_MaskedMean):
+    """exp of the mean (unsmoothed) cross-entropy over non-padding tokens."""
+
+    def __init__(self, name: str = "perplexity", **kwargs):
+        super().__init__(name=name, **kwargs)
+
+    def per_token(self, y_true, y_pred):
+        return token_cross_entropy(y_true, y_pred)
+
+    def result(self):
+        return ops.exp(super().result())
