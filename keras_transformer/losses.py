@@ -3,38 +3,63 @@
 All three ignore padding (label id 0) and compute in float32 even when the model runs in
 bfloat16/float16. None materializes one-hot labels: the smoothed cross-entropy is
 (1 - eps) * NLL(label) + eps * (logsumexp(logits) - mean(logits)), since the smoothed target
-puts eps / V on every class.
+puts eps / V on every class. TensorFlow-specific (tf.custom_gradient), like the project.
 """
 
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 PAD_ID = 0
 
 
 def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
-    """Per-token (smoothed) cross-entropy.
+    """Per-token (smoothed) cross-entropy, with a fused gradient.
+
+    The gradient is written by hand, softmax - (1 - eps) * one_hot - eps / V, scattering the
+    one-hot part at the labels only: autodiff of the label gather instead materializes and
+    scatters a full (tokens, vocab) tensor, which made the loss ~3x slower than this on CPU.
 
     Args:
         labels: int (batch, length).
-        logits: (batch, length, vocab).
+        logits: (batch, length, vocab); computed in float32 whatever their dtype.
         label_smoothing: eps_ls; the target is (1 - eps) * one_hot + eps / vocab.
 
     Returns:
         float32 (batch, length); not yet masked.
     """
-    logits = ops.cast(logits, "float32")
-    log_normalizer = ops.logsumexp(logits, axis=-1)
-    label_logits = ops.take_along_axis(
-        logits, ops.expand_dims(ops.cast(labels, "int32"), -1), axis=-1
-    )[..., 0]
-    nll = log_normalizer - label_logits
-    if not label_smoothing:
-        return nll
-    uniform = log_normalizer - ops.mean(logits, axis=-1)
-    return (1.0 - label_smoothing) * nll + label_smoothing * uniform
+    logits = tf.cast(logits, tf.float32)
+    labels = tf.cast(labels, tf.int32)
+    eps = float(label_smoothing)
+
+    @tf.custom_gradient
+    def cross_entropy(logits):
+        log_normalizer = tf.reduce_logsumexp(logits, axis=-1)
+        label_logits = tf.gather(logits, labels, batch_dims=len(labels.shape))
+        loss = log_normalizer - label_logits
+        if eps:
+            uniform = log_normalizer - tf.reduce_mean(logits, axis=-1)
+            loss = (1.0 - eps) * loss + eps * uniform
+
+        def grad(upstream):
+            vocab = tf.shape(logits)[-1]
+            flat_logits = tf.reshape(logits, (-1, vocab))
+            probs = tf.exp(flat_logits - tf.reshape(log_normalizer, (-1, 1)))
+            if eps:
+                probs -= eps / tf.cast(vocab, tf.float32)
+            flat_labels = tf.reshape(labels, (-1,))
+            rows = tf.range(tf.size(flat_labels))
+            probs = tf.tensor_scatter_nd_sub(
+                probs, tf.stack((rows, flat_labels), axis=1),
+                tf.fill(tf.shape(flat_labels), 1.0 - eps),
+            )
+            return tf.reshape(probs, tf.shape(logits)) * upstream[..., None]
+
+        return loss, grad
+
+    return cross_entropy(logits)
 
 
 def _real_tokens(labels):
