@@ -9,6 +9,7 @@ step by step with an explicit key/value cache for incremental decoding.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import keras
@@ -31,6 +32,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Every hyperparameter of the model, validated on construction."""
@@ -49,11 +54,15 @@ class TransformerConfig:
     max_wavelength: float = 10000.0
 
     def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff"):
+            value = getattr(self, name)
+            if _is_integer(value):  # numpy integers -> int, so the config stays JSON-able
+                object.__setattr__(self, name, int(value))
         for name in ("num_layers", "d_model", "num_heads", "d_ff"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_integer(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if not isinstance(self.vocab_size, int) or self.vocab_size < 4:
+        if not _is_integer(self.vocab_size) or self.vocab_size < 4:
             raise ValueError(
                 f"vocab_size must be an integer >= 4 (pad=0, unk=1, bos=2, eos=3 are reserved), "
                 f"got {self.vocab_size!r}."
@@ -160,9 +169,12 @@ class Transformer(keras.Model):
         target = keras.Input(shape=(None,), dtype="int32", name="target")
         encoder_output, source_mask = self._encode(source)
         logits = self._decode(target, encoder_output, source_mask)
-        super().__init__(
-            inputs={"source": source, "target": target}, outputs=logits, dtype=dtype, **kwargs
-        )
+        super().__init__(inputs={"source": source, "target": target}, outputs=logits, **kwargs)
+        # Functional.__init__ silently drops `dtype`: set the model's own policy, so that
+        # `compute_dtype` (used by `initial_cache`) and `get_config` (used by `.keras` saving)
+        # follow it, as keras-hub's Backbone does.
+        if dtype is not None:
+            self.dtype_policy = keras.dtype_policies.get(dtype)
         self.config = config
 
     # --- the two halves, shared by the functional graph and incremental decoding ---

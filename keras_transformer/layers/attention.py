@@ -103,18 +103,26 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return_attention_scores: bool = False,
         training=None,
     ):
-        query_heads = self._query_dense(query)
-        if cache is not None and cache_update_index is None:
+        use_cache_as_is = cache is not None and cache_update_index is None
+        if use_cache_as_is:
+            (query_heads,) = self._project(query, self._query_dense)
             key_heads, value_heads = cache[:, 0, ...], cache[:, 1, ...]
+        elif key is None and value is query:
+            query_heads, key_heads, value_heads = self._project(
+                query, self._query_dense, self._key_dense, self._value_dense
+            )
         else:
-            key = value if key is None else key
-            key_heads = self._key_dense(key)
-            value_heads = self._value_dense(value)
-            if cache is not None:
-                start = [0, cache_update_index, 0, 0]
-                key_heads = ops.slice_update(cache[:, 0, ...], start, key_heads)
-                value_heads = ops.slice_update(cache[:, 1, ...], start, value_heads)
-                cache = ops.stack((key_heads, value_heads), axis=1)
+            (query_heads,) = self._project(query, self._query_dense)
+            if key is None:
+                key_heads, value_heads = self._project(value, self._key_dense, self._value_dense)
+            else:
+                (key_heads,) = self._project(key, self._key_dense)
+                (value_heads,) = self._project(value, self._value_dense)
+        if cache is not None and not use_cache_as_is:
+            start = [0, cache_update_index, 0, 0]
+            key_heads = ops.slice_update(cache[:, 0, ...], start, key_heads)
+            value_heads = ops.slice_update(cache[:, 1, ...], start, value_heads)
+            cache = ops.stack((key_heads, value_heads), axis=1)
 
         attention_output, attention_scores = self._compute_attention(
             query_heads,
@@ -124,7 +132,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             training=training,
             return_attention_scores=return_attention_scores,
         )
-        attention_output = self._output_dense(attention_output)
+        attention_output = self._merge_heads(attention_output)
 
         outputs = (attention_output,)
         if return_attention_scores:
@@ -133,9 +141,46 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             outputs += (cache,)
         return outputs[0] if len(outputs) == 1 else outputs
 
+    def _project(self, inputs, *dense_layers):
+        """Applies the head projections `dense_layers` to `inputs` in one 2-D matmul.
+
+        The weights stay those of keras' EinsumDense layers ((d_model, heads, d_k) kernels), but
+        autodiff of their 3-D einsum computes the kernel gradient as a batched matmul followed by
+        a sum over the batch, which dominated the CPU step time; a reshape to (tokens, d_model)
+        and one MatMul for Q, K and V together avoids both.
+
+        Returns:
+            one (batch, length, num_heads, d_k) tensor per layer.
+        """
+        kernel = ops.concatenate(
+            [ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
+             for layer in dense_layers], axis=-1,
+        )
+        shape = ops.shape(inputs)
+        outputs = ops.matmul(ops.reshape(inputs, (-1, shape[-1])), kernel)
+        if self._use_bias:
+            outputs = outputs + ops.concatenate(
+                [ops.reshape(ops.cast(layer.bias, self.compute_dtype), (-1,))
+                 for layer in dense_layers], axis=-1,
+            )
+        head_dim = self.d_model // self.num_heads
+        outputs = ops.reshape(outputs, (shape[0], shape[1], len(dense_layers) * self.num_heads,
+                                        head_dim))
+        return ops.split(outputs, len(dense_layers), axis=2)
+
+    def _merge_heads(self, heads):
+        """The output projection: (batch, length, heads, d_k) -> (batch, length, d_model)."""
+        layer = self._output_dense
+        shape = ops.shape(heads)
+        kernel = ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
+        outputs = ops.matmul(ops.reshape(heads, (-1, self.d_model)), kernel)
+        if self._use_bias:
+            outputs = outputs + ops.cast(layer.bias, self.compute_dtype)
+        return ops.reshape(outputs, (shape[0], shape[1], -1))
+
     def project_key_value(self, inputs):
         """Projects `inputs` (batch, length, d_model) into a cache (batch, 2, length, h, d_k)."""
-        return ops.stack((self._key_dense(inputs), self._value_dense(inputs)), axis=1)
+        return ops.stack(self._project(inputs, self._key_dense, self._value_dense), axis=1)
 
     def get_config(self) -> dict:
         config = super().get_config()
