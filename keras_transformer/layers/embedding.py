@@ -13,6 +13,8 @@ import math
 import keras
 from keras import ops
 
+from keras_transformer.layers.dropout import Dropout
+
 
 def sinusoidal_encoding(positions, d_model: int, max_wavelength: float = 10000.0):
     """Sinusoidal position encoding of 3.5, for any positions (no fixed table, no max length).
@@ -78,7 +80,7 @@ class PositionalEmbedding(keras.layers.Layer):
         self.embeddings_initializer = keras.initializers.get(
             embeddings_initializer or keras.initializers.RandomNormal(stddev=d_model**-0.5)
         )
-        self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy)
 
     def build(self, input_shape=None):
         self.embeddings = self.add_weight(

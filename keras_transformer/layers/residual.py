@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import keras
 
+from keras_transformer.layers.dropout import Dropout
+
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class ResidualNorm(keras.layers.Layer):
@@ -31,7 +33,7 @@ class ResidualNorm(keras.layers.Layer):
         self.norm = keras.layers.LayerNormalization(
             epsilon=epsilon, dtype=self.dtype_policy, name="norm"
         )
-        self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy)
 
     def build(self, input_shape):
         self.norm.build(input_shape)
