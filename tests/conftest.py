@@ -1,0 +1,46 @@
+"""Shared pytest setup."""
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before any test imports TensorFlow
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir() -> Path:
+    """The raw Multi30k task-1 release (never copied into the repo); MULTI30K_DIR overrides."""
+    default = Path(__file__).resolve().parents[1].parent / "shared/data/multi30k"
+    path = Path(os.environ.get("MULTI30K_DIR", default))
+    if not (path / "train.de.gz").is_file():
+        pytest.fail(f"Multi30k not found at {path}: set MULTI30K_DIR to the folder of *.gz files")
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_corpus():
+    """600 synthetic sentence pairs ("de"-"en"), 1 to 30 words, accented letters included."""
+    from pipelines.corpora import ParallelCorpus
+
+    rng = random.Random(0)
+    syllables = "ka lo mi ne su ta ri po ve da gu zo fe hi ju mä bé rø".split()
+    words = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(300)})
+    translation = {word: word[::-1] + rng.choice(["", "s", "en"]) for word in words}
+    sources, targets = [], []
+    for _ in range(600):
+        sentence = rng.choices(words, k=rng.randint(1, 30))
+        sources.append(" ".join(sentence).capitalize() + rng.choice([".", "!", "?"]))
+        target = [translation[word] for word in sentence] + rng.choices(words, k=rng.randint(0, 2))
+        targets.append(" ".join(target).capitalize() + ".")
+    return ParallelCorpus(sources, targets, "de", "en", "train", "synthetic")
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(small_corpus, tmp_path_factory):
+    """A 400-piece BPE tokenizer trained on both sides of `small_corpus`."""
+    from pipelines.tokenizer import train_tokenizer
+
+    directory = tmp_path_factory.mktemp("small_tokenizer") / "tokenizer"
+    return train_tokenizer(small_corpus.sources + small_corpus.targets, directory, vocab_size=400)
