@@ -251,17 +251,7 @@ def _load_folder(folder: Path, split: str, src_lang: str, tgt_lang: str) -> Para
                 f"{', '.join(sorted(langs))}: add the file or choose one of those languages"
             )
     columns = read_aligned({src_lang: langs[src_lang], tgt_lang: langs[tgt_lang]})
-    _LOG.info(
-        "%s [%s]: loaded %d %s-%s pairs", folder, name, len(columns[src_lang]), src_lang, tgt_lang
-    )
-    return ParallelCorpus(
-        sources=columns[src_lang],
-        targets=columns[tgt_lang],
-        src_lang=src_lang,
-        tgt_lang=tgt_lang,
-        split=name,
-        origin=str(folder),
-    )
+    return _corpus_from_columns(columns, src_lang, tgt_lang, name, str(folder))
 
 
 def _tfds_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
@@ -341,19 +331,15 @@ def _load_tfds(
                     ) from None
     names = {lang: f"{origin} [{tfds_split}] {lang!r}" for lang in columns}
     columns = validate_aligned(columns, names, unit="example")
-    _LOG.info(
-        "%s [%s]: loaded %d %s-%s pairs",
-        origin,
-        tfds_split,
-        len(columns[src_lang]),
-        src_lang,
-        tgt_lang,
-    )
+    return _corpus_from_columns(columns, src_lang, tgt_lang, tfds_split, origin)
+
+
+def _corpus_from_columns(
+    columns: dict[str, list[str]], src_lang: str, tgt_lang: str, split: str, origin: str
+) -> ParallelCorpus:
+    _LOG.info("%s [%s]: loaded %d %s-%s pairs", origin, split, len(columns[src_lang]),
+              src_lang, tgt_lang)
     return ParallelCorpus(
-        sources=columns[src_lang],
-        targets=columns[tgt_lang],
-        src_lang=src_lang,
-        tgt_lang=tgt_lang,
-        split=tfds_split,
-        origin=origin,
+        sources=columns[src_lang], targets=columns[tgt_lang], src_lang=src_lang,
+        tgt_lang=tgt_lang, split=split, origin=origin,
     )
