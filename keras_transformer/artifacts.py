@@ -9,6 +9,9 @@
 <run>/logs/              TensorBoard
 <run>/results.json       final metrics (validation loss, BLEU with its signature, ...)
 ```
+
+A run directory is "finished" once results.json exists; before that, the same training
+command resumes it (`inspect_run_dir`).
 """
 
 from __future__ import annotations
@@ -66,3 +69,48 @@ def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
 def read_json(path: str | Path) -> dict[str, Any]:
     """Reads a JSON file written by `write_json_atomic`."""
     return json.loads(Path(path).read_text())
+
+
+class RunDirError(ValueError):
+    """`--out` cannot be used: not a run directory, or a run made with other settings."""
+
+
+def inspect_run_dir(
+    out: str | Path, identity: dict[str, Any], overwrite: bool = False, resume: bool = False
+) -> str:
+    """What training should do with the directory `out`.
+
+    Args:
+        out: the run directory.
+        identity: the settings that must match `config.json`'s "identity" for a resume.
+        overwrite: start over even if `out` holds a run (it is deleted by the caller).
+        resume: require a run to resume.
+
+    Returns:
+        "fresh" (absent, empty, or to be overwritten), "resume" or "finished".
+
+    Raises:
+        RunDirError: `out` is a file or a non-empty non-run folder, holds a run made with
+            other settings (naming them), or `resume` is set and there is nothing to resume.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} exists and is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        if resume:
+            raise RunDirError(f"--resume: {out} holds no run to resume")
+        return "fresh"
+    config_path = out / CONFIG_FILE
+    if not config_path.is_file():
+        raise RunDirError(f"--out {out} is a non-empty directory that is not a training run; "
+                          "pick another --out")
+    if overwrite:
+        return "fresh"
+    wanted = json.loads(json.dumps(identity))  # as it reads back from JSON (tuples -> lists)
+    recorded = read_json(config_path).get("identity") or {}
+    changed = sorted(key for key in wanted if recorded.get(key) != wanted[key])
+    if changed:
+        raise RunDirError(f"{out} was trained with different settings ({', '.join(changed)}); "
+                          "use the original flags to resume, --overwrite to start over, or "
+                          "another --out")
+    return "finished" if (out / RESULTS_FILE).is_file() else "resume"

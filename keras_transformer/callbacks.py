@@ -1,0 +1,232 @@
+"""Training callbacks: throughput and learning-rate logging, wall-clock and step limits,
+periodic and best checkpoints with early stopping, and a crash-safe backup for resuming.
+
+Keras "epochs" in `train.py` are fixed intervals of `steps_per_epoch` optimizer steps over an
+endless, deterministic batch stream (not passes over the data), so the backup written at
+each interval's end is always on an interval boundary: a resumed run starts the next interval
+with the data stream skipped to exactly the restored step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src.saving import saving_lib
+
+from keras_transformer import artifacts
+
+PAD_ID = 0
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class TokenCount(keras.metrics.Metric):
+    """Number of non-padding label tokens seen since the last reset (summed over replicas)."""
+
+    def __init__(self, name: str = "tokens", **kwargs):
+        kwargs.pop("dtype", None)
+        super().__init__(name=name, dtype="float32", **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        del y_pred, sample_weight
+        self.count.assign_add(ops.sum(ops.cast(ops.not_equal(y_true, PAD_ID), "float32")))
+
+    def result(self):
+        # A copy: fit() reads epoch results after validation, and the variable would by then
+        # hold the validation count.
+        return ops.add(self.count, 0.0)
+
+    def reset_state(self):
+        self.count.assign(0.0)
+
+
+def global_step(model: keras.Model) -> int:
+    """The optimizer's update count: the training step, which survives a restore."""
+    return int(model.optimizer.iterations.numpy())
+
+
+class ThroughputLogger(keras.callbacks.Callback):
+    """Adds `tokens_per_sec`, `steps_per_sec`, `learning_rate` and `step` to each interval's
+    logs (so the progress bar, TensorBoard and the history all show them).
+
+    Place it before `TensorBoard` in the callback list: later callbacks see the added keys.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._start = time.perf_counter()
+        self._start_step = 0
+        self.total_tokens = 0.0
+        self.total_seconds = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+        self._start_step = global_step(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        seconds = max(time.perf_counter() - self._start, 1e-9)
+        step = global_step(self.model)
+        tokens = float(logs.get("tokens", 0.0))
+        self.total_tokens += tokens
+        self.total_seconds += seconds
+        logs["tokens_per_sec"] = tokens / seconds
+        logs["steps_per_sec"] = (step - self._start_step) / seconds
+        logs["step"] = step
+        rate = self.model.optimizer.learning_rate
+        logs["learning_rate"] = float(ops.convert_to_numpy(rate))
+
+
+class StopAt(keras.callbacks.Callback):
+    """Stops after `max_steps` optimizer steps or `max_seconds` of training, whichever first.
+
+    `elapsed_before` is the training time of earlier (interrupted) runs of the same run
+    directory, so a resumed run keeps to the original wall-clock budget.
+    """
+
+    def __init__(self, max_steps: int, max_seconds: float | None, elapsed_before: float = 0.0):
+        super().__init__()
+        self.max_steps = max_steps
+        self.max_seconds = max_seconds
+        self.elapsed_before = elapsed_before
+        self.reason = ""
+        self._start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        """Training seconds so far, including earlier runs."""
+        return self.elapsed_before + time.perf_counter() - self._start
+
+    def on_train_begin(self, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if global_step(self.model) >= self.max_steps:
+            self.reason = f"reached the step limit {self.max_steps}"
+            self.model.stop_training = True
+        elif self.max_seconds is not None and self.elapsed >= self.max_seconds:
+            self.reason = f"used the --max-minutes budget ({self.max_seconds / 60:g} min)"
+            self.model.stop_training = True
+
+
+def save_model_weights(model: keras.Model, path: str | Path) -> None:
+    """Saves only the model's weights (no optimizer slots: a third of the size) as a Keras
+    `.weights.h5`, atomically: written under a temporary name, then renamed."""
+    path = Path(path)
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    optimizer = getattr(model, "optimizer", None)
+    skip = [optimizer] if optimizer is not None else None
+    saving_lib.save_weights_only(model, str(temporary), objects_to_skip=skip)
+    temporary.replace(path)
+
+
+def save_training_state(model: keras.Model, path: str | Path) -> None:
+    """Saves weights *and* optimizer state (the step count included), atomically."""
+    path = Path(path)
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    model.save_weights(str(temporary))
+    temporary.replace(path)
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"ckpt-{step:08d}.weights.h5"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """Periodic checkpoints in `directory` as (step, path), oldest first."""
+    found = []
+    for path in Path(directory).glob("ckpt-*.weights.h5"):
+        digits = path.name[len("ckpt-"):-len(".weights.h5")]
+        if digits.isdigit():
+            found.append((int(digits), path))
+    return sorted(found)
+
+
+class RunCheckpointer(keras.callbacks.Callback):
+    """At each interval's end: periodic checkpoint, best-by-validation-loss checkpoint, early
+    stopping, and the resumable backup (optimizer included) with `state` for a restart.
+
+    Args:
+        checkpoint_dir: where `ckpt-<step>.weights.h5` and `best.weights.h5` go.
+        backup_dir: where `latest.weights.h5` and `state.json` go.
+        checkpoint_every: save a periodic checkpoint when the step is a multiple of this.
+        keep: keep the newest `keep` periodic checkpoints (>= the number averaged).
+        patience: stop after this many validations without improvement (0 = never).
+        stopper: the `StopAt` callback, whose elapsed time is recorded for resuming.
+        state: restored state of an interrupted run (best_val_loss, bad_validations, ...).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        backup_dir: str | Path,
+        checkpoint_every: int,
+        keep: int,
+        patience: int,
+        stopper: StopAt,
+        state: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.backup_dir = Path(backup_dir)
+        self.checkpoint_every = checkpoint_every
+        self.keep = keep
+        self.patience = patience
+        self.stopper = stopper
+        state = state or {}
+        self.best_val_loss = float(state.get("best_val_loss") or math.inf)
+        self.best_step = int(state.get("best_step", -1))
+        self.bad_validations = int(state.get("bad_validations", 0))
+        self.diverged = False
+        self.stopped_early = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        step = global_step(self.model)
+        loss = logs.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            self.diverged = True  # TerminateOnNaN stops; never checkpoint NaN weights
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.backup_dir.mkdir(parents=True, exist_ok=True)
+        if step % self.checkpoint_every == 0 or self.model.stop_training:
+            save_model_weights(self.model, checkpoint_path(self.checkpoint_dir, step))
+            for _, old in list_checkpoints(self.checkpoint_dir)[: -self.keep]:
+                old.unlink(missing_ok=True)
+        val_loss = logs.get("val_loss")
+        if val_loss is not None:
+            if val_loss < self.best_val_loss:
+                self.best_val_loss, self.best_step = float(val_loss), step
+                self.bad_validations = 0
+                save_model_weights(self.model, self.checkpoint_dir / "best.weights.h5")
+            else:
+                self.bad_validations += 1
+                if self.patience and self.bad_validations >= self.patience:
+                    self.stopper.reason = (
+                        f"early stopping: no validation improvement in {self.patience} "
+                        f"validations (best {self.best_val_loss:.4f} at step {self.best_step})"
+                    )
+                    self.stopped_early = True
+                    self.model.stop_training = True
+        # The backup last, so that a restart never sees a backup ahead of the checkpoints.
+        save_training_state(self.model, self.backup_dir / "latest.weights.h5")
+        artifacts.write_json_atomic(self.backup_dir / "state.json", self.state(epoch + 1, step))
+
+    def state(self, epochs_done: int, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "epochs_done": epochs_done,
+            "elapsed_seconds": self.stopper.elapsed,
+            "best_val_loss": self.best_val_loss if math.isfinite(self.best_val_loss) else None,
+            "best_step": self.best_step,
+            "bad_validations": self.bad_validations,
+            "stopped_early": self.stopped_early,
+            "stop_reason": self.stopper.reason,
+        }

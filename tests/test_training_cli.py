@@ -1,0 +1,150 @@
+"""The training command: flag validation (nothing written on a bad command) and a tiny
+end-to-end run producing model.keras, results.json with BLEU, and a SavedModel export."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keras_transformer.train import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment for a subprocess running the project's code quietly on one thread pool."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def write_toy_corpus(folder: Path, pairs: int = 300, seed: int = 0) -> Path:
+    """A learnable toy language pair xx -> yy: each word has one translation and the
+    target reverses the word order. Splits train (`pairs`), val and test (20 each)."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdgklmnprst" for v in "aeiou"]
+    source_words = sorted({"".join(rng.sample(syllables, 2)) for _ in range(60)})
+    dictionary = {word: "".join(rng.sample(syllables, 2)) + "x" for word in source_words}
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", pairs), ("val", 20), ("test", 20)):
+        sources, targets = [], []
+        for _ in range(count):
+            words = [rng.choice(source_words) for _ in range(rng.randint(3, 8))]
+            sources.append(" ".join(words))
+            targets.append(" ".join(dictionary[word] for word in reversed(words)))
+        (folder / f"{split}.xx").write_text("\n".join(sources) + "\n")
+        (folder / f"{split}.yy").write_text("\n".join(targets) + "\n")
+    return folder
+
+
+TINY = ["--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
+        "--tokens-per-batch", "512", "--max-length", "32", "--precision", "float32"]
+
+
+def test_help_documents_every_flag():
+    text = build_parser().format_help()
+    for flag in ("--data", "--src", "--tgt", "--preset", "--d-model", "--num-layers",
+                 "--num-heads", "--d-ff", "--dropout", "--label-smoothing", "--warmup-steps",
+                 "--lr-scale", "--vocab-size", "--pre-norm", "--tokens-per-batch",
+                 "--max-length", "--max-steps", "--epochs", "--max-minutes", "--out",
+                 "--export-dir", "--seed", "--precision", "--jit-compile", "--average-last",
+                 "--checkpoint-every", "--validate-every", "--patience", "--beam", "--alpha",
+                 "--test-split", "--val-split", "--no-export", "--resume", "--overwrite"):
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data", "{missing}"], "does not exist"),
+        (["--src", "fr"], "fr"),
+        (["--d-model", "30", "--num-heads", "4"], "divisible"),
+        (["--tokens-per-batch", "16"], "--max-length"),
+        (["--max-steps", "5", "--epochs", "1"], "not both"),
+        (["--val-split", "nosuch"], "nosuch"),
+        (["--resume"], "no run to resume"),
+        (["--preset", "tiny", "--dropout", "0.5", "--activation", "relu", "--vocab-size",
+          "100"], "--vocab-size"),
+    ],
+)
+def test_semantic_errors_exit_2_with_one_line_and_no_run_dir(tmp_path, capsys, flags, message):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=30)
+    out = tmp_path / "run"
+    flags = [flag.format(missing=tmp_path / "missing") for flag in flags]
+    argv = ["--data", str(data), *TINY, "--out", str(out)]
+    # Later flags win in argparse, so the bad value overrides the good default above.
+    assert main([*argv, *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error:") and len(error.splitlines()) == 1, error
+    assert message in error
+    assert not out.exists()
+
+
+def test_a_vocabulary_too_large_for_the_corpus_leaves_no_run_dir(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=30)
+    out = tmp_path / "run"
+    argv = ["--data", str(data), *TINY, "--vocab-size", "6000", "--out", str(out)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: tokenizer:") and len(error.splitlines()) == 1, error
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [["--max-steps", "-3"], ["--dropout", "1.5"],
+                                   ["--precision", "fp8"], ["--checkpoint-every", "0"]])
+def test_argparse_refuses_bad_values_with_exit_2(tmp_path, flags):
+    with pytest.raises(SystemExit) as raised:
+        main(["--data", str(tmp_path), *TINY, "--out", str(tmp_path / "run"), *flags])
+    assert raised.value.code == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_refuses_a_run_dir_trained_with_other_settings_and_foreign_folders(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=30)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["--data", str(data), *TINY, "--out", str(out)]) == 2
+    assert "not a training run" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    (out / "config.json").write_text(json.dumps({"identity": {"seed": 123}}))
+    assert main(["--data", str(data), *TINY, "--out", str(out)]) == 2
+    assert "different settings" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
+    data = write_toy_corpus(tmp_path / "corpus")
+    out, export = tmp_path / "run", tmp_path / "export"
+    command = [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TINY,
+               "--max-steps", "30", "--checkpoint-every", "10", "--average-last", "2",
+               "--beam", "2", "--export-dir", str(export), "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == 30
+    assert results["averaged_steps"] == [20, 30]
+    assert 0.0 <= results["bleu"] <= 100.0 and "tok:13a" in results["bleu_signature"]
+    assert results["best_val_loss"] is not None
+    for name in ("model.keras", "config.json", "tokenizer", "logs/metrics.csv",
+                 "checkpoints/best.weights.h5", "backup/latest.weights.h5", "test.hyp.txt"):
+        assert (out / name).exists(), name
+    assert "BLEU" in result.stdout and str(out / "model.keras") in result.stdout
+    try:
+        import keras_transformer.export  # noqa: F401
+    except ImportError:
+        pytest.skip("no export module yet")
+    assert (Path(results["export"]) / "saved_model.pb").is_file()
+    # The same command again: the run is finished, nothing is retrained.
+    again = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0 and "already trained" in again.stdout

@@ -1,0 +1,171 @@
+"""Pieces of training: checkpoint averaging (numerically), precision choice, the token
+counter, the step/time limit, the global-token loss on one device, strategy selection."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from keras_transformer import artifacts
+from keras_transformer.averaging import average_weight_files
+from keras_transformer.averaging import main as averaging_main
+from keras_transformer.callbacks import (
+    StopAt,
+    TokenCount,
+    checkpoint_path,
+    list_checkpoints,
+    save_model_weights,
+)
+from keras_transformer.distribution import GlobalTokenCrossEntropy, cluster_spec, is_chief
+from keras_transformer.losses import LabelSmoothedCrossEntropy
+from keras_transformer.model import build_transformer
+from keras_transformer.precision import resolve_jit, resolve_precision
+
+
+def _model_with_constant_weights(value: float):
+    model = build_transformer("tiny", vocab_size=20)
+    model.set_weights([np.full(w.shape, value, w.dtype) for w in model.get_weights()])
+    return model
+
+
+def test_average_of_weight_files_is_the_elementwise_mean(tmp_path):
+    rng = np.random.default_rng(0)
+    model = build_transformer("tiny", vocab_size=20)
+    versions = []
+    for step in (1, 2, 3):
+        weights = [rng.normal(size=w.shape).astype("float32") for w in model.get_weights()]
+        model.set_weights(weights)
+        save_model_weights(model, checkpoint_path(tmp_path, step))
+        versions.append(weights)
+    paths = [path for _, path in list_checkpoints(tmp_path)]
+    average_weight_files(paths[-2:], tmp_path / "avg.weights.h5")
+    model.load_weights(tmp_path / "avg.weights.h5")
+    for got, second, third in zip(model.get_weights(), versions[1], versions[2], strict=True):
+        np.testing.assert_allclose(got, (second + third) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_averaging_command_writes_model_keras_from_the_last_n(tmp_path):
+    config = {"model": {"preset": "tiny", "vocab_size": 20}}
+    artifacts.write_json_atomic(tmp_path / artifacts.CONFIG_FILE, config)
+    checkpoints = tmp_path / artifacts.CHECKPOINT_DIR
+    checkpoints.mkdir()
+    for step, value in ((100, 50.0), (200, 1.0), (300, 2.0), (400, 6.0)):
+        save_model_weights(_model_with_constant_weights(value), checkpoint_path(checkpoints, step))
+    assert averaging_main(["--run", str(tmp_path), "--last", "3"]) == 0
+    import keras
+
+    model = keras.models.load_model(tmp_path / artifacts.MODEL_FILE, compile=False)
+    for weights in model.get_weights():
+        np.testing.assert_allclose(weights, 3.0)  # mean of 1, 2, 6 (not the step-100 one)
+
+
+def test_averaging_refuses_different_architectures(tmp_path):
+    save_model_weights(build_transformer("tiny", vocab_size=20), tmp_path / "a.weights.h5")
+    save_model_weights(build_transformer("tiny", vocab_size=30), tmp_path / "b.weights.h5")
+    with pytest.raises(ValueError, match="different"):
+        average_weight_files([tmp_path / "a.weights.h5", tmp_path / "b.weights.h5"],
+                             tmp_path / "avg.weights.h5")
+
+
+@pytest.mark.parametrize(
+    ("flags", "gpus", "choice", "expected"),
+    [
+        ("fpu avx512f avx512_bf16 amx_tile", 0, "auto", "mixed_bfloat16"),
+        ("fpu avx2 amx_bf16", 0, "auto", "mixed_bfloat16"),
+        ("fpu avx2 avx512f", 0, "auto", "float32"),
+        ("fpu avx2", 2, "auto", "mixed_float16"),
+        ("fpu avx512_bf16", 0, "float32", "float32"),
+    ],
+)
+def test_precision_auto_follows_the_hardware(tmp_path, flags, gpus, choice, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert resolve_precision(choice, gpus, cpuinfo) == expected
+    assert resolve_precision("auto", 0, tmp_path / "missing") == "float32"
+
+
+def test_jit_choice():
+    assert resolve_jit("auto", 0) is False and resolve_jit("on", 0) is True
+    with pytest.raises(ValueError):
+        resolve_jit("maybe", 0)
+
+
+def test_token_count_and_global_loss_on_one_device():
+    labels = np.array([[5, 6, 0, 0], [7, 0, 0, 0]], "int32")
+    logits = np.random.default_rng(0).normal(size=(2, 4, 10)).astype("float32")
+    counter = TokenCount()
+    counter.update_state(labels, logits)
+    counter.update_state(labels, logits)
+    assert float(counter.result()) == 6.0
+    # Outside a multi-replica context the global-token loss is the ordinary masked mean.
+    np.testing.assert_allclose(float(GlobalTokenCrossEntropy(0.1)(labels, logits)),
+                               float(LabelSmoothedCrossEntropy(0.1)(labels, logits)), rtol=1e-6)
+
+
+def test_stop_at_max_steps_and_time_budget():
+    class _Model:
+        stop_training = False
+
+        class optimizer:  # noqa: N801
+            class iterations:  # noqa: N801
+                value = 0
+
+                @classmethod
+                def numpy(cls):
+                    return cls.value
+
+    stopper = StopAt(max_steps=5, max_seconds=None)
+    stopper.set_model(_Model)
+    _Model.optimizer.iterations.value = 4
+    stopper.on_train_batch_end(0)
+    assert not _Model.stop_training
+    _Model.optimizer.iterations.value = 5
+    stopper.on_train_batch_end(0)
+    assert _Model.stop_training and "step limit 5" in stopper.reason
+    _Model.stop_training = False
+    budget = StopAt(max_steps=100, max_seconds=60, elapsed_before=61)  # resumed, budget used
+    budget.set_model(_Model)
+    budget.on_train_begin()
+    budget.on_train_batch_end(0)
+    assert _Model.stop_training and "max-minutes" in budget.reason
+
+
+def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
+    from keras_transformer.callbacks import RunCheckpointer
+    from keras_transformer.schedule import paper_adam
+
+    model = build_transformer("tiny", vocab_size=20)
+    model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
+    model.optimizer.build(model.trainable_variables)
+    stopper = StopAt(max_steps=1000, max_seconds=None)
+    checkpointer = RunCheckpointer(tmp_path / "ckpt", tmp_path / "backup", checkpoint_every=10,
+                                   keep=2, patience=2, stopper=stopper)
+    checkpointer.set_model(model)
+    for epoch, val_loss in enumerate([5.0, 4.0, 4.5, 4.2]):
+        model.optimizer.iterations.assign((epoch + 1) * 10)
+        checkpointer.on_epoch_end(epoch, {"loss": 1.0, "val_loss": val_loss})
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [30, 40]
+    assert (tmp_path / "ckpt" / "best.weights.h5").is_file()
+    assert checkpointer.best_step == 20 and model.stop_training
+    assert "early stopping" in stopper.reason
+    state = json.loads((tmp_path / "backup" / "state.json").read_text())
+    assert state["step"] == 40 and state["best_val_loss"] == 4.0 and state["stopped_early"]
+    # NaN losses are never checkpointed.
+    model.stop_training = False
+    model.optimizer.iterations.assign(50)
+    checkpointer.on_epoch_end(4, {"loss": float("nan")})
+    assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
+
+
+def test_chief_from_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert is_chief() and cluster_spec() == ({}, "worker", 0)
+    cluster = {"worker": ["a:1", "b:2"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                "task": {"type": "worker", "index": 1}}))
+    assert not is_chief()
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {**cluster, "chief": ["c:3"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    assert not is_chief()

@@ -1,0 +1,71 @@
+"""A training process killed with SIGKILL resumes with the same command and ends like an
+uninterrupted run: the same number of steps and, with a fixed seed, the same losses."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_training_cli import REPO, TINY, cli_env, write_toy_corpus
+
+STEPS, EVERY = 30, 10
+
+
+def _command(data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TINY,
+            "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--test-split", "none",
+            "--no-export", "--out", str(out)]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Training loss of each interval from logs/metrics.csv, by the step it ended at
+    (a resumed run may log an interval twice: the last row wins)."""
+    with open(out / "logs" / "metrics.csv") as handle:
+        return {int(float(row["step"])): float(row["loss"]) for row in csv.DictReader(handle)}
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_same_command_resumes_to_the_same_result(tmp_path):
+    data = write_toy_corpus(tmp_path / "corpus")
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    # The uninterrupted reference runs while the other process is started and killed.
+    uninterrupted = subprocess.Popen(_command(data, reference), cwd=REPO, env=cli_env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = subprocess.Popen(_command(data, resumed), cwd=REPO, env=cli_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = resumed / "backup" / "state.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and victim.poll() is None:
+        if state.is_file() and json.loads(state.read_text())["step"] >= EVERY:
+            break
+        time.sleep(0.05)
+    assert victim.poll() is None, "the run ended before it could be killed"
+    time.sleep(0.3)  # somewhere inside the next interval
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = json.loads(state.read_text())["step"]
+    assert EVERY <= killed_at < STEPS
+    assert not (resumed / "results.json").exists()
+
+    finished = subprocess.run(_command(data, resumed), cwd=REPO, env=cli_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
+    log = uninterrupted.communicate(timeout=300)[0]
+    assert uninterrupted.returncode == 0, log[-3000:]
+    assert f"steps {killed_at} -> {STEPS}" in finished.stdout
+
+    expected = json.loads((reference / "results.json").read_text())
+    actual = json.loads((resumed / "results.json").read_text())
+    assert actual["steps"] == expected["steps"] == STEPS
+    assert actual["averaged_steps"] == expected["averaged_steps"]
+    # Same seed, same data stream position, restored optimizer state: the same losses up to
+    # float round-off (CPU kernels are deterministic here; 1e-4 leaves room for oneDNN).
+    assert _losses(resumed) == pytest.approx(_losses(reference), rel=1e-4)
+    assert actual["averaged_val_loss"] == pytest.approx(expected["averaged_val_loss"], rel=1e-4)
