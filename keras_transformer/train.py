@@ -27,169 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from keras_transformer import artifacts
-from keras_transformer.precision import JIT_CHOICES, PRECISIONS
-
-DEFAULT_MAX_STEPS = 100_000  # paper, base model; normally --max-minutes or --epochs ends first
-MODEL_FLAGS = ("num_layers", "d_model", "num_heads", "d_ff", "dropout", "attention_dropout",
-               "activation", "pre_norm", "vocab_size")
+from keras_transformer.train_flags import (
+    DEFAULT_MAX_STEPS,
+    UsageError,
+    build_parser,
+    validate_args,
+)
 
 
 def say(*parts: Any) -> None:
     print(*parts, flush=True)
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except absent ones ("None" would only confuse)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m keras_transformer.train",
-        description="Train a Transformer (Vaswani et al., 2017) for translation: vocabulary, "
-        "bucketed batches, model.fit under tf.distribute, checkpoint averaging, test BLEU, "
-        "SavedModel export. The same command resumes an interrupted run.",
-        formatter_class=_HelpFormatter,
-    )
-    g = p.add_argument_group("data")
-    g.add_argument("--data", required=True,
-                   help="folder of {split}.{lang}[.gz] files, or tfds:NAME[/CONFIG]")
-    g.add_argument("--data-dir", help="tensorflow-datasets data_dir (tfds: data only)")
-    g.add_argument("--src", required=True, help="source language code, e.g. de")
-    g.add_argument("--tgt", required=True, help="target language code, e.g. en")
-    g.add_argument("--train-split", default="train", help="split to train on")
-    g.add_argument("--val-split", default="val",
-                   help="split for validation loss, best checkpoint and early stopping")
-    g.add_argument("--test-split", default="test",
-                   help="split scored with BLEU at the end; 'none' to skip")
-    g.add_argument("--test-limit", type=_non_negative_int, default=0,
-                   help="score only the first N test pairs (0 = all)")
-    g.add_argument("--vocab-size", type=_positive_int, default=8000,
-                   help="shared source/target subword vocabulary size")
-    g.add_argument("--tokens-per-batch", type=_positive_int, default=4096,
-                   help="global token budget per step, split over replicas")
-    g.add_argument("--max-length", type=_positive_int, default=128,
-                   help="longest sentence in subwords; longer pairs are dropped from training")
-    g = p.add_argument_group("model (overrides of the preset)")
-    g.add_argument("--preset", default="small", choices=("tiny", "small", "base", "big"),
-                   help="small: 3 layers, d_model 256 (Multi30k); base/big: paper Table 3")
-    g.add_argument("--num-layers", type=_positive_int, help="encoder and decoder layers (N)")
-    g.add_argument("--d-model", type=_positive_int, help="model width")
-    g.add_argument("--num-heads", type=_positive_int, help="attention heads (divide d_model)")
-    g.add_argument("--d-ff", type=_positive_int, help="feed-forward inner width")
-    g.add_argument("--dropout", type=_fraction, help="residual/embedding dropout (P_drop)")
-    g.add_argument("--attention-dropout", type=_fraction, help="dropout on attention weights")
-    g.add_argument("--activation", choices=("relu", "gelu"), help="feed-forward activation")
-    g.add_argument("--pre-norm", action=argparse.BooleanOptionalAction, default=None,
-                   help="layer norm before each sublayer instead of after (paper: after)")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--label-smoothing", type=_fraction, default=0.1, help="epsilon_ls")
-    g.add_argument("--warmup-steps", type=_positive_int, default=4000,
-                   help="learning rate warmup (paper: 4000; fewer suit short CPU runs)")
-    g.add_argument("--lr-scale", type=_positive_float, default=1.0,
-                   help="multiplies the paper's learning rate schedule")
-    g.add_argument("--max-steps", type=_positive_int,
-                   help=f"optimizer steps (default {DEFAULT_MAX_STEPS} unless --epochs)")
-    g.add_argument("--epochs", type=_positive_float,
-                   help="passes over the training data (converted to steps)")
-    g.add_argument("--max-minutes", type=_positive_float,
-                   help="wall-clock budget for training (evaluation/export come after)")
-    g.add_argument("--seed", type=_non_negative_int, default=0,
-                   help="seeds initialization, shuffling and the vocabulary")
-    g.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="auto: mixed_bfloat16 on CPUs with AVX512_BF16/AMX, mixed_float16 "
-                   "on GPUs, float32 otherwise")
-    g.add_argument("--jit-compile", choices=JIT_CHOICES, default="auto",
-                   help="XLA-compile the train step. auto = off: every new batch shape (about "
-                   "55 per Multi30k epoch) costs a ~13 s compilation on CPU, which the ~2x "
-                   "faster compiled steps repay only after roughly an hour")
-    g = p.add_argument_group("checkpoints, validation, outputs")
-    g.add_argument("--out", required=True, help="run directory")
-    g.add_argument("--checkpoint-every", type=_positive_int, default=200,
-                   help="steps between checkpoints (and resumable backups)")
-    g.add_argument("--validate-every", type=_positive_int,
-                   help="steps between validations (default: --checkpoint-every)")
-    g.add_argument("--patience", type=_non_negative_int, default=10,
-                   help="stop after this many validations without improvement (0 = never)")
-    g.add_argument("--average-last", type=_positive_int, default=5,
-                   help="average the last N checkpoints into model.keras (paper: 5)")
-    g.add_argument("--beam", type=_positive_int, default=4, help="beam size for test BLEU")
-    g.add_argument("--alpha", type=float, default=0.6, help="length penalty for test BLEU")
-    g.add_argument("--export-dir", help="SavedModel base (default saved_models/<run name>)")
-    g.add_argument("--no-export", action="store_true", help="skip the SavedModel export")
-    g.add_argument("--overwrite", action="store_true",
-                   help="delete an existing run directory and start over")
-    g.add_argument("--resume", action="store_true",
-                   help="require an interrupted run to resume (it is resumed anyway if found)")
-    g.add_argument("--verbose", type=int, choices=(0, 1, 2),
-                   help="Keras progress: 1 bar, 2 one line per interval (default: 1 on a tty)")
-    return p
-
-
-class UsageError(ValueError):
-    """A bad flag, corpus or run directory, reported as one line with exit status 2."""
-
-
-def validate_args(args: argparse.Namespace):
-    """Semantic checks beyond argparse's; returns the `TransformerConfig`.
-
-    Raises:
-        UsageError: with a message saying what to change.
-    """
-    from keras_transformer.model import transformer_config
-
-    if args.max_steps is not None and args.epochs is not None:
-        raise UsageError("give --max-steps or --epochs, not both")
-    if args.alpha < 0:
-        raise UsageError(f"--alpha must be >= 0, got {args.alpha}")
-    if args.src == args.tgt:
-        raise UsageError(f"--src and --tgt are both {args.src!r}")
-    if args.vocab_size < 300:
-        raise UsageError("--vocab-size must be >= 300 (4 special ids + 256 byte pieces + words)")
-    if args.max_length < 2:
-        raise UsageError(f"--max-length must be >= 2 (a subword and EOS), got {args.max_length}")
-    if args.tokens_per_batch < args.max_length:
-        raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is below --max-length "
-                         f"{args.max_length}: a longest pair would not fit in a batch")
-    if args.overwrite and args.resume:
-        raise UsageError("--overwrite and --resume contradict each other")
-    overrides = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
-    try:
-        return transformer_config(args.preset, **overrides)
-    except ValueError as error:
-        raise UsageError(f"model: {error}") from None
 
 
 def load_corpora(args: argparse.Namespace) -> dict[str, Any]:

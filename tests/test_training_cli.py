@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from keras_transformer.train import build_parser, main
+from keras_transformer.train import main
+from keras_transformer.train_flags import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
