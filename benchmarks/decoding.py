@@ -157,6 +157,7 @@ def per_token_cost(model, runs: int) -> dict:
 
 
 def fixed_shape(model, args) -> dict:
+    """Beam 4 and greedy, float32 with and without the XLA step (and mixed_bfloat16)."""
     rng = np.random.default_rng(0)
     sources = rng.integers(4, 8000, size=(1000, 16)).astype("int32")
     batches = [tf.constant(sources[i: i + 32]) for i in range(0, 1000, 32)]
@@ -166,6 +167,12 @@ def fixed_shape(model, args) -> dict:
         for name, search in (("beam4", beam_search), ("greedy", greedy_search)):
             variants[name + suffix] = partial(_decode_all, partial(search, model), batches,
                                               force_length=20, jit_compile=jit)
+    if args.bf16:
+        bf16 = build_transformer("small", vocab_size=8000, dtype="mixed_bfloat16")
+        bf16.set_weights(model.get_weights())
+        for name, search in (("beam4", beam_search), ("greedy", greedy_search)):
+            variants[name + "_bf16"] = partial(_decode_all, partial(search, bf16), batches,
+                                               force_length=20)
     return _interleaved(variants, args.runs)
 
 
@@ -181,6 +188,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--parts", default="multi30k,per_token,fixed",
                         help="comma-separated subset of multi30k,per_token,fixed")
+    parser.add_argument("--bf16", action="store_true",
+                        help="fixed shape: also time a mixed_bfloat16 copy of the model")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "kt_bench"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
