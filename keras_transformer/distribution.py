@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import tensorflow as tf
 from keras import ops
 
-from keras_transformer.losses import LabelSmoothedCrossEntropy, token_cross_entropy
-
-PAD_ID = 0
+from keras_transformer.losses import LabelSmoothedCrossEntropy, masked_token_loss_sum
 
 
 def cluster_spec() -> tuple[dict[str, list[str]], str, int]:
@@ -107,21 +104,17 @@ class GlobalTokenCrossEntropy(LabelSmoothedCrossEntropy):
     """
 
     def call(self, y_true, y_pred):
-        weights = ops.cast(ops.not_equal(y_true, PAD_ID), "float32")
-        local = ops.sum(token_cross_entropy(y_true, y_pred, self.label_smoothing) * weights)
+        local, local_tokens = masked_token_loss_sum(y_true, y_pred, self.label_smoothing)
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
-            return local / ops.maximum(ops.sum(weights), 1.0)
+            return local / ops.maximum(local_tokens, 1.0)
         replicas = context.num_replicas_in_sync
-        local_and_tokens = ops.stack([ops.stop_gradient(local), ops.sum(weights)])
+        local_and_tokens = ops.stack([ops.stop_gradient(local), local_tokens])
         total, tokens = ops.unstack(context.all_reduce(tf.distribute.ReduceOp.SUM,
                                                        local_and_tokens))
         tokens = ops.maximum(tokens, 1.0)
         gradient_part = local / tokens
         return gradient_part + ops.stop_gradient(total / (tokens * replicas) - gradient_part)
-
-    def get_config(self) -> dict[str, Any]:
-        return super().get_config()
 
 
 def build_for_distributed_fit(model, sample_batch) -> None:

@@ -66,6 +66,17 @@ def _real_tokens(labels):
     return ops.cast(ops.not_equal(labels, PAD_ID), "float32")
 
 
+def masked_token_loss_sum(labels, logits, label_smoothing: float = 0.0):
+    """(sum of the smoothed cross-entropy over non-padding tokens, their count), float32.
+
+    The pieces of a token mean, kept apart so that means over several batches or replicas can
+    be exact (sum the sums, sum the counts, divide once).
+    """
+    weights = _real_tokens(labels)
+    losses = token_cross_entropy(labels, logits, label_smoothing)
+    return ops.sum(losses * weights), ops.sum(weights)
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class LabelSmoothedCrossEntropy(keras.losses.Loss):
     """Mean label-smoothed cross-entropy over the non-padding tokens of a batch.
@@ -88,9 +99,8 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
         self.label_smoothing = label_smoothing
 
     def call(self, y_true, y_pred):
-        weights = _real_tokens(y_true)
-        losses = token_cross_entropy(y_true, y_pred, self.label_smoothing)
-        return ops.sum(losses * weights) / ops.maximum(ops.sum(weights), 1.0)
+        loss_sum, tokens = masked_token_loss_sum(y_true, y_pred, self.label_smoothing)
+        return loss_sum / ops.maximum(tokens, 1.0)
 
     def get_config(self) -> dict:
         return {"label_smoothing": self.label_smoothing, "name": self.name}

@@ -263,18 +263,16 @@ def _count(dataset) -> int:
 
 def evaluate_loss(model, tokenizer, corpus, args: argparse.Namespace) -> float:
     """Label-smoothed cross-entropy per target token of `model` on `corpus` (exact token mean)."""
-    from keras import ops
-
-    from keras_transformer.losses import token_cross_entropy
+    from keras_transformer.losses import masked_token_loss_sum
     from pipelines.batching import make_batches
 
     total = tokens = 0.0
     for features, labels in make_batches(corpus, tokenizer, tokens_per_batch=args.tokens_per_batch,
                                          max_length=args.max_length, shuffle=False):
-        losses = token_cross_entropy(labels, model(features, training=False), args.label_smoothing)
-        weights = ops.cast(ops.not_equal(labels, 0), "float32")
-        total += float(ops.sum(losses * weights))
-        tokens += float(ops.sum(weights))
+        loss_sum, count = masked_token_loss_sum(labels, model(features, training=False),
+                                                args.label_smoothing)
+        total += float(loss_sum)
+        tokens += float(count)
     return total / max(tokens, 1.0)
 
 
@@ -288,12 +286,9 @@ def translate_and_score(model, tokenizer, sources: list[str], references: list[s
 
 
 def export(model, tokenizer, args: argparse.Namespace) -> Path | None:
-    """The SavedModel export (None, with a note, if the export module is unavailable)."""
-    try:
-        from keras_transformer.export import export_saved_model
-    except ImportError as error:
-        say(f"note: SavedModel export skipped ({error})")
-        return None
+    """The SavedModel export into --export-dir (default saved_models/<run name>)."""
+    from keras_transformer.export import export_saved_model
+
     base = Path(args.export_dir) if args.export_dir else Path("saved_models") / Path(args.out).name
     return Path(export_saved_model(model, tokenizer, base, beam_size=args.beam, alpha=args.alpha))
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from keras_transformer.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.export import latest_version
 
 __all__ = ["ModelError", "ProgressBar", "Translator", "load_translator", "main"]
 
@@ -66,10 +67,11 @@ class Translator:
 
 
 def _saved_model_dir(path: Path) -> Path | None:
+    """`path` if it is a SavedModel, else its highest integer version, else None."""
     if (path / "saved_model.pb").is_file():
         return path
-    versions = [p for p in path.iterdir() if p.name.isdigit() and (p / "saved_model.pb").is_file()]
-    return max(versions, key=lambda p: int(p.name)) if versions else None
+    version = latest_version(path)
+    return None if version is None else path / str(version)
 
 
 def load_translator(path: str | Path) -> Translator:
