@@ -219,24 +219,28 @@ class Transformer(keras.Model):
     def initial_cache(self, encoder_output, max_length):
         """Empty self-attention caches and the (computed once) cross-attention caches.
 
+        Each cache is a tuple with one (keys, values) pair per decoder layer: separate
+        tensors, so a decoding step writes one position into each instead of slicing and
+        re-stacking one tensor holding every layer.
+
         Args:
             encoder_output: (batch, source_length, d_model) from `encode`.
             max_length: number of target positions the cache can hold.
 
         Returns:
-            (self_cache (batch, num_layers, 2, max_length, num_heads, d_k) of zeros,
-             cross_cache (batch, num_layers, 2, source_length, num_heads, d_k)).
+            (self_cache: num_layers pairs of zeros (batch, num_heads, max_length, d_k),
+             cross_cache: num_layers pairs (batch, num_heads, source_length, d_k)).
         """
         batch = ops.shape(encoder_output)[0]
         head_dim = self.config.d_model // self.config.num_heads
-        self_cache = ops.zeros(
-            (batch, self.config.num_layers, 2, max_length, self.config.num_heads, head_dim),
-            dtype=self.compute_dtype,
+        shape = (batch, self.config.num_heads, max_length, head_dim)
+        self_cache = tuple(
+            (ops.zeros(shape, dtype=self.compute_dtype), ops.zeros(shape, dtype=self.compute_dtype))
+            for _ in self.decoder_layers
         )
-        cross_cache = ops.stack(
-            [layer.cross_attention.project_key_value(encoder_output)
-             for layer in self.decoder_layers],
-            axis=1,
+        cross_cache = tuple(
+            layer.cross_attention.project_key_value(encoder_output)
+            for layer in self.decoder_layers
         )
         return self_cache, cross_cache
 
@@ -265,24 +269,24 @@ class Transformer(keras.Model):
         """
         x = self.target_embedding(target_ids, start_index=cache_update_index)
         updated, scores = [], []
-        for i, layer in enumerate(self.decoder_layers):
+        for layer, layer_cache, layer_cross_cache in zip(
+                self.decoder_layers, self_cache, cross_cache, strict=True):
             outputs = layer(
                 x,
                 encoder_padding_mask=source_mask,
-                self_attention_cache=self_cache[:, i, ...],
+                self_attention_cache=layer_cache,
                 cache_update_index=cache_update_index,
-                cross_attention_cache=cross_cache[:, i, ...],
+                cross_attention_cache=layer_cross_cache,
                 return_attention_scores=return_attention_scores,
             )
-            x, layer_cache = outputs[0], outputs[-1]
+            x = outputs[0]
             if return_attention_scores:
                 scores.append(outputs[1])
-            updated.append(layer_cache)
+            updated.append(tuple(outputs[-1]))
         logits = self._logits(x)
-        self_cache = ops.stack(updated, axis=1)
         if return_attention_scores:
-            return logits, self_cache, scores
-        return logits, self_cache
+            return logits, tuple(updated), scores
+        return logits, tuple(updated)
 
     def get_config(self) -> dict:
         config = {"name": self.name, "trainable": self.trainable}

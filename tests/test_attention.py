@@ -114,7 +114,8 @@ def test_self_attention_cache_matches_full_computation(attention):
     full = keras.ops.convert_to_numpy(
         attention(x, x, attention_mask=causal_mask(length, length))
     )
-    cache = np.zeros((BATCH, 2, length, HEADS, D_MODEL // HEADS), "float32")
+    empty = np.zeros((BATCH, HEADS, length, D_MODEL // HEADS), "float32")
+    cache = (empty, empty)
     # Prime the cache with a 2-token prefix in one call, then decode one token at a time.
     prefix, cache = attention(
         x[:, :2], x[:, :2], attention_mask=causal_mask(2, length, 0),
@@ -129,11 +130,10 @@ def test_self_attention_cache_matches_full_computation(attention):
         steps.append(keras.ops.convert_to_numpy(step))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=ATOL)
     # The filled cache holds exactly the projected keys and values of the whole sequence.
-    np.testing.assert_allclose(
-        keras.ops.convert_to_numpy(cache),
-        keras.ops.convert_to_numpy(attention.project_key_value(x)),
-        atol=ATOL,
-    )
+    for cached, projected in zip(cache, attention.project_key_value(x), strict=True):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(cached), keras.ops.convert_to_numpy(projected), atol=ATOL
+        )
 
 
 def test_precomputed_cross_attention_cache_matches_full_computation(attention):
@@ -142,7 +142,7 @@ def test_precomputed_cross_attention_cache_matches_full_computation(attention):
     mask = padding_mask(source_ids)[:, None, :]
     full = attention(query, memory, attention_mask=mask)
     cache = attention.project_key_value(memory)
-    assert tuple(cache.shape) == (BATCH, 2, 4, HEADS, D_MODEL // HEADS)
+    assert [tuple(t.shape) for t in cache] == [(BATCH, HEADS, 4, D_MODEL // HEADS)] * 2
     # With a cache and no update index, `value` is ignored: pass something unrelated.
     cached, returned_cache = attention(
         query, np.zeros_like(memory), attention_mask=mask, cache=cache
@@ -150,9 +150,10 @@ def test_precomputed_cross_attention_cache_matches_full_computation(attention):
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(cached), keras.ops.convert_to_numpy(full), atol=ATOL
     )
-    np.testing.assert_array_equal(
-        keras.ops.convert_to_numpy(returned_cache), keras.ops.convert_to_numpy(cache)
-    )
+    for returned, given in zip(returned_cache, cache, strict=True):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(returned), keras.ops.convert_to_numpy(given)
+        )
 
 
 def test_get_config_from_config_round_trip(attention):

@@ -128,6 +128,14 @@ def test_all_padding_source_row_gives_finite_logits(models, batch):
 # --- incremental decoding ---
 
 
+def _shapes(cache) -> list:
+    return [[tuple(t.shape) for t in pair] for pair in cache]
+
+
+def _dtypes(cache) -> set:
+    return {keras.backend.standardize_dtype(t.dtype) for pair in cache for t in pair}
+
+
 @pytest.mark.parametrize("variant", ["post_norm", "pre_norm", "untied"])
 def test_cached_decoding_matches_full_forward(models, batch, variant):
     model = models[variant]
@@ -139,16 +147,17 @@ def test_cached_decoding_matches_full_forward(models, batch, variant):
     self_cache, cross_cache = model.initial_cache(encoder_output, max_length)
     config = model.config
     d_k = config.d_model // config.num_heads
-    cache_shape = (batch_size, config.num_layers, 2, max_length, config.num_heads, d_k)
-    assert tuple(self_cache.shape) == cache_shape
-    assert tuple(cross_cache.shape) == (
-        batch_size, config.num_layers, 2, source.shape[1], config.num_heads, d_k
-    )
+    # One (keys, values) pair per layer, head-major.
+    cache_shapes = [[(batch_size, config.num_heads, max_length, d_k)] * 2] * config.num_layers
+    assert _shapes(self_cache) == cache_shapes
+    assert _shapes(cross_cache) == [
+        [(batch_size, config.num_heads, source.shape[1], d_k)] * 2] * config.num_layers
     steps = []
     for i in range(length):
         logits, new_cache = model.decode(target[:, i:i + 1], source_mask, self_cache, cross_cache, i)
         # Same shape and dtype every step, so the cache can be a while-loop variable.
-        assert tuple(new_cache.shape) == cache_shape and new_cache.dtype == self_cache.dtype
+        assert _shapes(new_cache) == cache_shapes
+        assert {t.dtype for pair in new_cache for t in pair} == {self_cache[0][0].dtype}
         self_cache = new_cache
         steps.append(keras.ops.convert_to_numpy(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), reference, atol=ATOL)
@@ -363,10 +372,10 @@ def test_mixed_bfloat16_model_and_round_trip(batch, tmp_path):
         # The cache is in the compute dtype from the start and stays so.
         encoder_output, source_mask = model.encode(source)
         self_cache, cross_cache = model.initial_cache(encoder_output, target.shape[1])
-        assert keras.backend.standardize_dtype(self_cache.dtype) == "bfloat16"
+        assert _dtypes(self_cache) == _dtypes(cross_cache) == {"bfloat16"}
         step_logits, new_cache = model.decode(target[:, :1], source_mask, self_cache,
                                               cross_cache, 0)
-        assert keras.backend.standardize_dtype(new_cache.dtype) == "bfloat16"
+        assert _dtypes(new_cache) == {"bfloat16"}
         assert keras.backend.standardize_dtype(step_logits.dtype) == "float32"
 
         path = tmp_path / "bf16.keras"

@@ -44,6 +44,16 @@ def causal_mask(query_length, key_length, query_offset=0):
     return ops.expand_dims(ops.greater_equal(query_positions, key_positions), 0)
 
 
+def _head_major(heads):
+    """(batch, length, heads, d_k) -> (batch, heads, length, d_k)."""
+    return ops.transpose(heads, (0, 2, 1, 3))
+
+
+# Score of a masked position: very negative but finite in bfloat16 (whose max is ~3.4e38), so a
+# fully masked row gives uniform weights rather than NaN, as keras' masked softmax does.
+_MASKED_SCORE = -1e9
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MultiHeadAttention(keras.layers.MultiHeadAttention):
     """Multi-head attention with the paper's head size and an explicit key/value cache.
@@ -65,9 +75,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         key: optional (batch, source_length, d_model).
         attention_mask: optional bool, broadcastable to (batch, target_length, source_length);
             True where attention is allowed.
-        cache: optional (batch, 2, cache_length, num_heads, d_k): projected keys ([:, 0]) and
-            values ([:, 1]). With `cache_update_index=None` the cache is used as is (e.g.
-            precomputed encoder keys/values for cross-attention) and `key`/`value` are ignored.
+        cache: optional pair (keys, values), each (batch, num_heads, cache_length, d_k):
+            projected keys and values, head-major so that attending is a plain batched
+            matmul. With `cache_update_index=None` the cache is used as is (e.g. precomputed
+            encoder keys/values for cross-attention) and `key`/`value` are ignored. The cache
+            is for inference: no attention dropout is applied with it.
         cache_update_index: int scalar; where to write the projections of `key`/`value` into
             the cache before attending over the whole cache.
         return_attention_scores: also return weights (batch, num_heads, target_length,
@@ -103,11 +115,10 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return_attention_scores: bool = False,
         training=None,
     ):
-        use_cache_as_is = cache is not None and cache_update_index is None
-        if use_cache_as_is:
-            (query_heads,) = self._project(query, self._query_dense)
-            key_heads, value_heads = cache[:, 0, ...], cache[:, 1, ...]
-        elif key is None and value is query:
+        if cache is not None:
+            return self._call_cached(query, value, key, attention_mask, cache,
+                                     cache_update_index, return_attention_scores)
+        if key is None and value is query:
             query_heads, key_heads, value_heads = self._project(
                 query, self._query_dense, self._key_dense, self._value_dense
             )
@@ -118,12 +129,6 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             else:
                 (key_heads,) = self._project(key, self._key_dense)
                 (value_heads,) = self._project(value, self._value_dense)
-        if cache is not None and not use_cache_as_is:
-            start = [0, cache_update_index, 0, 0]
-            key_heads = ops.slice_update(cache[:, 0, ...], start, key_heads)
-            value_heads = ops.slice_update(cache[:, 1, ...], start, value_heads)
-            cache = ops.stack((key_heads, value_heads), axis=1)
-
         attention_output, attention_scores = self._compute_attention(
             query_heads,
             key_heads,
@@ -133,13 +138,45 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             return_attention_scores=return_attention_scores,
         )
         attention_output = self._merge_heads(attention_output)
-
-        outputs = (attention_output,)
         if return_attention_scores:
-            outputs += (attention_scores,)
-        if cache is not None:
-            outputs += (cache,)
-        return outputs[0] if len(outputs) == 1 else outputs
+            return attention_output, attention_scores
+        return attention_output
+
+    def _call_cached(self, query, value, key, attention_mask, cache, cache_update_index,
+                     return_attention_scores):
+        """Inference with a (keys, values) cache; returns outputs as `call` documents.
+
+        Head-major (batch, heads, length, d_k) throughout: one new query per step then costs
+        two batched matmuls, where keras' einsum path transposes the whole cache twice per
+        step (3x slower for one query over the cache on this CPU).
+        """
+        if cache_update_index is None:
+            (query_heads,) = self._project(query, self._query_dense)
+            key_heads, value_heads = cache
+        else:
+            if key is None and value is query:
+                query_heads, new_keys, new_values = self._project(
+                    query, self._query_dense, self._key_dense, self._value_dense)
+            else:
+                (query_heads,) = self._project(query, self._query_dense)
+                (new_keys,) = self._project(value if key is None else key, self._key_dense)
+                (new_values,) = self._project(value, self._value_dense)
+            start = [0, 0, cache_update_index, 0]
+            key_heads = ops.slice_update(cache[0], start, _head_major(new_keys))
+            value_heads = ops.slice_update(cache[1], start, _head_major(new_values))
+            cache = (key_heads, value_heads)
+        query_heads = _head_major(query_heads) * ops.cast(
+            1.0 / (self._key_dim ** 0.5), query_heads.dtype)
+        scores = ops.matmul(query_heads, ops.transpose(key_heads, (0, 1, 3, 2)))
+        if attention_mask is not None:
+            scores = ops.where(ops.expand_dims(attention_mask, 1), scores,
+                               ops.cast(_MASKED_SCORE, scores.dtype))
+        weights = ops.softmax(ops.cast(scores, "float32"), axis=-1)
+        attended = ops.matmul(ops.cast(weights, value_heads.dtype), value_heads)
+        outputs = (self._merge_heads(ops.transpose(attended, (0, 2, 1, 3))),)
+        if return_attention_scores:
+            outputs += (weights,)
+        return outputs + (cache,)
 
     def _project(self, inputs, *dense_layers):
         """Applies the head projections `dense_layers` to `inputs` in one 2-D matmul.
@@ -179,8 +216,10 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return ops.reshape(outputs, (shape[0], shape[1], -1))
 
     def project_key_value(self, inputs):
-        """Projects `inputs` (batch, length, d_model) into a cache (batch, 2, length, h, d_k)."""
-        return ops.stack(self._project(inputs, self._key_dense, self._value_dense), axis=1)
+        """Projects `inputs` (batch, length, d_model) into a cache: (keys, values), each
+        (batch, num_heads, length, d_k)."""
+        return tuple(_head_major(heads) for heads in
+                     self._project(inputs, self._key_dense, self._value_dense))
 
     def get_config(self) -> dict:
         config = super().get_config()

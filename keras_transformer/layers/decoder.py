@@ -26,11 +26,11 @@ class DecoderLayer(EncoderLayer):
         encoder_output: (batch, source_length, d_model); may be None when
             `cross_attention_cache` is given.
         encoder_padding_mask: optional bool (batch, source_length), True on real source tokens.
-        self_attention_cache: optional (batch, 2, max_length, num_heads, d_k) keys/values of
-            earlier target positions; requires `cache_update_index`.
+        self_attention_cache: optional pair (keys, values), each (batch, num_heads,
+            max_length, d_k), of earlier target positions; requires `cache_update_index`.
         cache_update_index: int scalar, absolute position of `inputs[:, 0]`.
-        cross_attention_cache: optional (batch, 2, source_length, num_heads, d_k), the
-            projected encoder output (see `MultiHeadAttention.project_key_value`), computed
+        cross_attention_cache: optional pair (keys, values), each (batch, num_heads,
+            source_length, d_k), the projected encoder output (see `MultiHeadAttention.project_key_value`), computed
             once per sentence instead of once per step.
         return_attention_scores: also return the encoder-decoder attention weights
             (batch, num_heads, target_length, source_length).
@@ -81,7 +81,7 @@ class DecoderLayer(EncoderLayer):
             attended, self_attention_cache = self.self_attention(
                 x, x,
                 attention_mask=causal_mask(
-                    target_length, ops.shape(self_attention_cache)[2], cache_update_index
+                    target_length, ops.shape(self_attention_cache[0])[2], cache_update_index
                 ),
                 cache=self_attention_cache, cache_update_index=cache_update_index,
                 training=training,
