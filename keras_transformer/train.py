@@ -301,21 +301,33 @@ def finish(args: argparse.Namespace, config: dict, corpora: dict, outcome: dict)
 
     run = Path(args.out)
     started = time.perf_counter()
-    averaged_file = run / artifacts.CHECKPOINT_DIR / "averaged.weights.h5"
+    checkpoints = run / artifacts.CHECKPOINT_DIR
+    averaged_file = checkpoints / "averaged.weights.h5"
     steps = average_last_checkpoints(run, args.average_last, averaged_file)
+    tokenizer = SubwordTokenizer.load(run / artifacts.TOKENIZER_DIR)
     # The saved model is float32 whatever the training precision (the weights were float32
     # anyway): decoding and serving should not inherit a training-only choice.
     model = build_transformer(**config["model"])
-    model.load_weights(averaged_file)
+    val_losses = {}
+    for name, weights in (("best", checkpoints / "best.weights.h5"), ("averaged", averaged_file)):
+        if weights.exists():
+            model.load_weights(weights)
+            val_losses[name] = evaluate_loss(model, tokenizer, corpora["val"], args)
+    # Averaging helps once the loss has flattened; while it still falls fast, the older
+    # checkpoints drag the average down. Keep whichever is better on validation.
+    final = min(val_losses, key=lambda name: (val_losses[name], name != "averaged"))
+    if final != "averaged":
+        model.load_weights(checkpoints / f"{final}.weights.h5")
     model.save(run / artifacts.MODEL_FILE)
-    tokenizer = SubwordTokenizer.load(run / artifacts.TOKENIZER_DIR)
     results: dict[str, Any] = {
         "steps": outcome["step"], "stop_reason": outcome["reason"],
         "training_seconds": round(outcome["elapsed"], 1),
         "tokens_per_sec": round(outcome["tokens_per_sec"], 1),
         "best_val_loss": outcome["best_val_loss"], "best_step": outcome["best_step"],
         "averaged_steps": steps,
-        "averaged_val_loss": evaluate_loss(model, tokenizer, corpora["val"], args),
+        "averaged_val_loss": val_losses["averaged"],
+        "best_checkpoint_val_loss": val_losses.get("best"),
+        "final_weights": final,
         "precision": outcome["precision"], "jit_compile": outcome["jit_compile"],
         "replicas": outcome["replicas"],
     }
@@ -345,7 +357,8 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
         f"XLA {'on' if results['jit_compile'] else 'off'}")
     if results["best_val_loss"] is not None:
         say(f"validation loss: best {results['best_val_loss']:.4f} (step {results['best_step']}), "
-            f"average of steps {results['averaged_steps']}: {results['averaged_val_loss']:.4f}")
+            f"average of steps {results['averaged_steps']}: {results['averaged_val_loss']:.4f}; "
+            f"model.keras holds the {results['final_weights']} weights")
     if results.get("bleu") is not None:
         say(f"test {results['test_split']} ({results['test_sentences']} sentences, beam "
             f"{results['beam']}): BLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}\n"

@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--patience", type=_non_negative_int, default=10,
                    help="stop after this many validations without improvement (0 = never)")
     g.add_argument("--average-last", type=_positive_int, default=5,
-                   help="average the last N checkpoints into model.keras (paper: 5)")
+                   help="average the last N checkpoints (paper: 5); model.keras gets the average, or "
+                   "the best checkpoint if that has the lower validation loss")
     g.add_argument("--beam", type=_positive_int, default=4, help="beam size for test BLEU")
     g.add_argument("--alpha", type=float, default=0.6, help="length penalty for test BLEU")
     g.add_argument("--export-dir", help="SavedModel base (default saved_models/<run name>)")

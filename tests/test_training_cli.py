@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from keras_transformer.artifacts import load_run
 from keras_transformer.train import main
 from keras_transformer.train_flags import build_parser
 
@@ -140,10 +142,14 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
                  "checkpoints/best.weights.h5", "backup/latest.weights.h5", "test.hyp.txt"):
         assert (out / name).exists(), name
     assert "BLEU" in result.stdout and str(out / "model.keras") in result.stdout
-    try:
-        import keras_transformer.export  # noqa: F401
-    except ImportError:
-        pytest.skip("no export module yet")
+    # model.keras holds whichever of the average and the best checkpoint is better on val.
+    losses = {"averaged": results["averaged_val_loss"],
+              "best": results["best_checkpoint_val_loss"]}
+    assert losses[results["final_weights"]] == min(losses.values())
+    saved, chosen = load_run(out)[0], load_run(out)[0]
+    chosen.load_weights(out / "checkpoints" / f"{results['final_weights']}.weights.h5")
+    for actual, expected in zip(saved.get_weights(), chosen.get_weights(), strict=True):
+        np.testing.assert_array_equal(actual, expected)
     assert (Path(results["export"]) / "saved_model.pb").is_file()
     # The same command again: the run is finished, nothing is retrained.
     again = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
