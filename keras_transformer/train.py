@@ -356,9 +356,13 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
         f"{results['replicas']} replica(s), {results['precision']}, "
         f"XLA {'on' if results['jit_compile'] else 'off'}")
     if results["best_val_loss"] is not None:
-        say(f"validation loss: best {results['best_val_loss']:.4f} (step {results['best_step']}), "
-            f"average of steps {results['averaged_steps']}: {results['averaged_val_loss']:.4f}; "
-            f"model.keras holds the {results['final_weights']} weights")
+        say(f"validation loss (Keras metric, batch means averaged): best "
+            f"{results['best_val_loss']:.4f} at step {results['best_step']}")
+    exact = f"average of steps {results['averaged_steps']} {results['averaged_val_loss']:.4f}"
+    if results.get("best_checkpoint_val_loss") is not None:
+        exact = f"best checkpoint {results['best_checkpoint_val_loss']:.4f}, {exact}"
+    say(f"exact per-token validation loss: {exact}; model.keras holds the "
+        f"{results['final_weights']} weights")
     if results.get("bleu") is not None:
         say(f"test {results['test_split']} ({results['test_sentences']} sentences, beam "
             f"{results['beam']}): BLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}\n"
