@@ -10,6 +10,8 @@ machinery adds work to every layer and hides where a mask comes from.
 
 from __future__ import annotations
 
+import math
+
 import keras
 from keras import ops
 
@@ -42,11 +44,6 @@ def causal_mask(query_length, key_length, query_offset=0):
     query_positions = ops.arange(query_length)[:, None] + query_offset
     key_positions = ops.arange(key_length)[None, :]
     return ops.expand_dims(ops.greater_equal(query_positions, key_positions), 0)
-
-
-def _head_major(heads):
-    """(batch, length, heads, d_k) -> (batch, heads, length, d_k)."""
-    return ops.transpose(heads, (0, 2, 1, 3))
 
 
 # Score of a masked position: very negative but finite in bfloat16 (whose max is ~3.4e38), so a
@@ -115,68 +112,61 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return_attention_scores: bool = False,
         training=None,
     ):
-        if cache is not None:
-            return self._call_cached(query, value, key, attention_mask, cache,
-                                     cache_update_index, return_attention_scores)
-        if key is None and value is query:
-            query_heads, key_heads, value_heads = self._project(
-                query, self._query_dense, self._key_dense, self._value_dense
-            )
-        else:
-            (query_heads,) = self._project(query, self._query_dense)
-            if key is None:
-                key_heads, value_heads = self._project(value, self._key_dense, self._value_dense)
-            else:
-                (key_heads,) = self._project(key, self._key_dense)
-                (value_heads,) = self._project(value, self._value_dense)
-        attention_output, attention_scores = self._compute_attention(
-            query_heads,
-            key_heads,
-            value_heads,
-            attention_mask=attention_mask,
-            training=training,
-            return_attention_scores=return_attention_scores,
-        )
-        attention_output = self._merge_heads(attention_output)
-        if return_attention_scores:
-            return attention_output, attention_scores
-        return attention_output
-
-    def _call_cached(self, query, value, key, attention_mask, cache, cache_update_index,
-                     return_attention_scores):
-        """Inference with a (keys, values) cache; returns outputs as `call` documents.
-
-        Head-major (batch, heads, length, d_k) throughout: one new query per step then costs
-        two batched matmuls, where keras' einsum path transposes the whole cache twice per
-        step (3x slower for one query over the cache on this CPU).
-        """
-        if cache_update_index is None:
+        if cache is not None and cache_update_index is None:
             (query_heads,) = self._project(query, self._query_dense)
             key_heads, value_heads = cache
         else:
             if key is None and value is query:
-                query_heads, new_keys, new_values = self._project(
+                query_heads, key_heads, value_heads = self._project(
                     query, self._query_dense, self._key_dense, self._value_dense)
             else:
                 (query_heads,) = self._project(query, self._query_dense)
-                (new_keys,) = self._project(value if key is None else key, self._key_dense)
-                (new_values,) = self._project(value, self._value_dense)
-            start = [0, 0, cache_update_index, 0]
-            key_heads = ops.slice_update(cache[0], start, _head_major(new_keys))
-            value_heads = ops.slice_update(cache[1], start, _head_major(new_values))
-            cache = (key_heads, value_heads)
-        query_heads = _head_major(query_heads) * ops.cast(
-            1.0 / (self._key_dim ** 0.5), query_heads.dtype)
-        scores = ops.matmul(query_heads, ops.transpose(key_heads, (0, 1, 3, 2)))
+                if key is None:
+                    key_heads, value_heads = self._project(
+                        value, self._key_dense, self._value_dense)
+                else:
+                    (key_heads,) = self._project(key, self._key_dense)
+                    (value_heads,) = self._project(value, self._value_dense)
+            if cache is not None:
+                start = [0, 0, cache_update_index, 0]
+                key_heads = ops.slice_update(cache[0], start, key_heads)
+                value_heads = ops.slice_update(cache[1], start, value_heads)
+                cache = (key_heads, value_heads)
+        attended, weights = self._attend(
+            query_heads, key_heads, value_heads, attention_mask, training)
+        outputs = (self._merge_heads(attended),)
+        if return_attention_scores:
+            outputs += (weights,)
+        if cache is not None:
+            outputs += (cache,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _attend(self, query_heads, key_heads, value_heads, attention_mask, training):
+        """3.2.1 Scaled dot-product attention, head-major: softmax(Q K^T / sqrt(d_k)) V.
+
+        Args:
+            query_heads: (batch, heads, target_length, d_k).
+            key_heads, value_heads: (batch, heads, source_length, d_k).
+            attention_mask: optional bool, broadcastable to (batch, target_length,
+                source_length).
+            training: enables dropout on the weights.
+
+        Returns:
+            (attended (batch, heads, target_length, d_k), weights (batch, heads,
+            target_length, source_length)).
+
+        Two batched matmuls on head-major tensors: keras' einsum path transposes every
+        operand (and, when decoding, the whole cache) on each call; this is 3x faster for one
+        query over a cache and ~25% faster for training shapes (forward + backward) here.
+        """
+        scale = ops.cast(1.0 / math.sqrt(self._key_dim), query_heads.dtype)
+        scores = ops.matmul(query_heads * scale, ops.transpose(key_heads, (0, 1, 3, 2)))
         if attention_mask is not None:
             scores = ops.where(ops.expand_dims(attention_mask, 1), scores,
                                ops.cast(_MASKED_SCORE, scores.dtype))
-        weights = ops.softmax(ops.cast(scores, "float32"), axis=-1)
-        attended = ops.matmul(ops.cast(weights, value_heads.dtype), value_heads)
-        outputs = (self._merge_heads(ops.transpose(attended, (0, 2, 1, 3))),)
-        if return_attention_scores:
-            outputs += (weights,)
-        return outputs + (cache,)
+        weights = ops.softmax(scores, axis=-1)
+        attended = ops.matmul(self._dropout_layer(weights, training=training), value_heads)
+        return attended, weights
 
     def _project(self, inputs, *dense_layers):
         """Applies the head projections `dense_layers` to `inputs` in one 2-D matmul.
@@ -187,7 +177,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         and one MatMul for Q, K and V together avoids both.
 
         Returns:
-            one (batch, length, num_heads, d_k) tensor per layer.
+            one head-major (batch, num_heads, length, d_k) tensor per layer.
         """
         kernel = ops.concatenate(
             [ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
@@ -201,25 +191,27 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                  for layer in dense_layers], axis=-1,
             )
         head_dim = self.d_model // self.num_heads
-        outputs = ops.reshape(outputs, (shape[0], shape[1], len(dense_layers) * self.num_heads,
-                                        head_dim))
-        return ops.split(outputs, len(dense_layers), axis=2)
+        outputs = ops.reshape(
+            outputs, (shape[0], shape[1], len(dense_layers), self.num_heads, head_dim))
+        # One transpose for Q, K and V together: (projection, batch, heads, length, d_k).
+        outputs = ops.transpose(outputs, (2, 0, 3, 1, 4))
+        return ops.unstack(outputs, len(dense_layers), axis=0)
 
     def _merge_heads(self, heads):
-        """The output projection: (batch, length, heads, d_k) -> (batch, length, d_model)."""
+        """The output projection: (batch, heads, length, d_k) -> (batch, length, d_model)."""
         layer = self._output_dense
         shape = ops.shape(heads)
+        heads = ops.reshape(ops.transpose(heads, (0, 2, 1, 3)), (-1, self.d_model))
         kernel = ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
-        outputs = ops.matmul(ops.reshape(heads, (-1, self.d_model)), kernel)
+        outputs = ops.matmul(heads, kernel)
         if self._use_bias:
             outputs = outputs + ops.cast(layer.bias, self.compute_dtype)
-        return ops.reshape(outputs, (shape[0], shape[1], -1))
+        return ops.reshape(outputs, (shape[0], shape[2], -1))
 
     def project_key_value(self, inputs):
         """Projects `inputs` (batch, length, d_model) into a cache: (keys, values), each
         (batch, num_heads, length, d_k)."""
-        return tuple(_head_major(heads) for heads in
-                     self._project(inputs, self._key_dense, self._value_dense))
+        return tuple(self._project(inputs, self._key_dense, self._value_dense))
 
     def get_config(self) -> dict:
         config = super().get_config()
