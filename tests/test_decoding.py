@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.beam_search import _top_candidates
 from keras_transformer.decoding import EOS_ID, PAD_ID, beam_search, greedy_search, length_penalty
 from keras_transformer.model import build_transformer
 
@@ -88,19 +87,6 @@ def test_length_penalty_matches_gnmt_formula():
     assert float(length_penalty(1, 0.6)) == pytest.approx(1.0)
     assert float(length_penalty(10, 0.6)) == pytest.approx((15 / 6) ** 0.6)
     assert float(length_penalty(10, 0.0)) == pytest.approx(1.0)
-
-
-def test_two_stage_top_k_equals_one_top_k_over_all_candidates():
-    rng = np.random.default_rng(3)
-    batch, beam, vocab, k = 5, 4, 300, 8
-    log_probs = tf.constant(rng.normal(size=(batch, beam, vocab)), tf.float32)
-    alive = tf.constant(rng.normal(size=(batch, beam)), tf.float32)
-    parents, tokens, scores = _top_candidates(log_probs, alive, k)
-    flat = tf.reshape(alive[:, :, None] + log_probs, [batch, beam * vocab])
-    expected_scores, expected = tf.math.top_k(flat, k=k)
-    np.testing.assert_array_equal(parents.numpy(), (expected // vocab).numpy())
-    np.testing.assert_array_equal(tokens.numpy(), (expected % vocab).numpy())
-    np.testing.assert_allclose(scores.numpy(), expected_scores.numpy(), rtol=1e-6)
 
 
 def test_beam_search_finds_sequence_greedy_misses():
