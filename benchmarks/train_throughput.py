@@ -102,11 +102,13 @@ def real_data_case(data: str, preset: str, precision: str, vocab_size: int, warm
     from pipelines.corpora import load_corpus
     from pipelines.tokenizer import train_or_load_tokenizer
 
+    # The model first: seeding (keras.utils.set_random_seed) clears TF's kernel cache, which
+    # would drop the sentencepiece resource of a tokenizer created before it.
+    model, config = _compiled_model(preset, precision, vocab_size, jit_compile=False)
     corpus = load_corpus(data, "train", "de", "en")
     tokenizer = train_or_load_tokenizer(corpus, work_dir / f"tokenizer-de-en-{vocab_size}",
                                         vocab_size=vocab_size)
     batches = make_batches(corpus, tokenizer, tokens_per_batch=4096, shuffle=True, repeat=True)
-    model, config = _compiled_model(preset, precision, vocab_size, jit_compile=False)
     iterator = iter(batches)
     for _ in range(warmup):
         model.train_on_batch(*next(iterator))
