@@ -60,7 +60,7 @@ class _Stepper:
 
     The cached state is (self-attention cache, pending row order): reordering after a beam
     step is deferred to the start of the next step, so with `jit_compile` the gather fuses
-    into the XLA step with the cache slicing instead of being one more full cache copy.
+    into the XLA step with the cache writes instead of being one more full cache copy.
     """
 
     def __init__(self, model, encoder_output, source_mask, repeats, max_length, use_cache,

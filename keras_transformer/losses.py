@@ -22,8 +22,8 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     label gather instead materializes and scatters a full (tokens, vocab) tensor, which made
     the loss ~3x slower than this on CPU. Forward and gradient are each one XLA computation:
     on (tokens, vocab) logits every op is a memory-bound pass, and XLA fuses the ~10 passes
-    of each (cast, max, exp, sums, one-hot, ...) into a few (2x faster on this CPU, same
-    results). Only this elementwise part is compiled; the matmuls stay with oneDNN.
+    of each (cast, max, exp, sums, one-hot, ...) into a few (forward + gradient on 64x32x8000
+    bf16 logits: 40 -> 24 ms on this CPU, same results). Only this elementwise part is compiled; the matmuls stay with oneDNN.
 
     Args:
         labels: int (batch, length).

@@ -30,8 +30,9 @@ class DecoderLayer(EncoderLayer):
             max_length, d_k), of earlier target positions; requires `cache_update_index`.
         cache_update_index: int scalar, absolute position of `inputs[:, 0]`.
         cross_attention_cache: optional pair (keys, values), each (batch, num_heads,
-            source_length, d_k), the projected encoder output (see `MultiHeadAttention.project_key_value`), computed
-            once per sentence instead of once per step.
+            source_length, d_k): the projected encoder output (see
+            `MultiHeadAttention.project_key_value`), computed once per sentence instead of
+            once per step.
         return_attention_scores: also return the encoder-decoder attention weights
             (batch, num_heads, target_length, source_length).
         training: Python bool.
