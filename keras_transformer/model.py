@@ -15,7 +15,13 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_transformer.layers import DecoderLayer, EncoderLayer, PositionalEmbedding, padding_mask
+from keras_transformer.layers import (
+    DecoderLayer,
+    EncoderLayer,
+    LayerNormalization,
+    PositionalEmbedding,
+    padding_mask,
+)
 
 PAD_ID = 0
 
@@ -155,9 +161,9 @@ class Transformer(keras.Model):
         # Pre-norm stacks end with a LayerNorm; post-norm layers already end normalized.
         self.encoder_norm = self.decoder_norm = None
         if pre_norm:
-            self.encoder_norm = keras.layers.LayerNormalization(
+            self.encoder_norm = LayerNormalization(
                 epsilon=layer_norm_epsilon, dtype=dtype, name="encoder_norm")
-            self.decoder_norm = keras.layers.LayerNormalization(
+            self.decoder_norm = LayerNormalization(
                 epsilon=layer_norm_epsilon, dtype=dtype, name="decoder_norm")
         self.output_projection = None
         if not tie_embeddings:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 
 from keras_transformer.layers.dropout import Dropout
+from keras_transformer.layers.normalization import LayerNormalization
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -30,7 +31,7 @@ class ResidualNorm(keras.layers.Layer):
         self.dropout = dropout
         self.pre_norm = pre_norm
         self.epsilon = epsilon
-        self.norm = keras.layers.LayerNormalization(
+        self.norm = LayerNormalization(
             epsilon=epsilon, dtype=self.dtype_policy, name="norm"
         )
         self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy)
