@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_transformer.losses import (
     LabelSmoothedCrossEntropy,
@@ -173,3 +174,41 @@ def test_perplexity_ignores_padding_and_matches_numpy(batch):
     restored = Perplexity.from_config(metric.get_config())
     assert restored.name == "perplexity"
     assert as_float(restored.result()) == 1.0  # exp(0) before any update
+
+
+def _loss_gradient(loss_fn, labels, logits):
+    logits = tf.convert_to_tensor(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = loss_fn(labels, logits)
+    return keras.ops.convert_to_numpy(tf.cast(tape.gradient(loss, logits), "float32"))
+
+
+def test_fused_gradient_equals_autodiff_of_keras_crossentropy(batch):
+    labels, logits = batch
+    real = (labels != 0).astype("float32")
+    keras_ce = keras.losses.CategoricalCrossentropy(
+        from_logits=True, label_smoothing=EPS, reduction=None)
+
+    def reference(y_true, y_pred):
+        per_token = keras_ce(keras.ops.one_hot(y_true, VOCAB), y_pred)
+        return keras.ops.sum(per_token * real) / real.sum()
+
+    expected = _loss_gradient(reference, labels, logits)
+    ours = _loss_gradient(LabelSmoothedCrossEntropy(EPS), labels, logits)
+    np.testing.assert_allclose(ours, expected, atol=1e-7, rtol=1e-5)
+    assert np.abs(ours[labels == 0]).max() == 0.0  # padding gets no gradient
+
+
+def test_fused_gradient_keeps_the_dtype_of_bfloat16_logits(batch):
+    labels, logits = batch
+    bf16_logits = keras.ops.cast(logits, "bfloat16")
+    with tf.GradientTape() as tape:
+        tape.watch(bf16_logits)
+        loss = LabelSmoothedCrossEntropy(EPS)(labels, bf16_logits)
+    gradient = tape.gradient(loss, bf16_logits)
+    assert keras.backend.standardize_dtype(gradient.dtype) == "bfloat16"
+    upcast = keras.ops.cast(bf16_logits, "float32")
+    expected = _loss_gradient(LabelSmoothedCrossEntropy(EPS), labels, upcast)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(tf.cast(gradient, "float32")),
+                               expected, atol=2e-4, rtol=1e-2)

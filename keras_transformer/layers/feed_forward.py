@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+from keras import ops
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -53,7 +54,13 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs):
-        return self.output_dense(self.inner_dense(inputs))
+        # On 2-D (tokens, d_model) inputs keras' Dense is MatMul, bias add and activation
+        # with nothing between, which TensorFlow's oneDNN remapper fuses into one op; on 3-D
+        # inputs a reshape sits between them and each runs as a separate pass.
+        shape = ops.shape(inputs)
+        tokens = ops.reshape(inputs, (-1, shape[-1]))
+        outputs = self.output_dense(self.inner_dense(tokens))
+        return ops.reshape(outputs, tuple(shape[:-1]) + (self.d_model,))
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.d_model,)
