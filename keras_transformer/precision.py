@@ -58,11 +58,11 @@ def resolve_precision(choice: str, num_gpus: int, cpuinfo: str | Path = "/proc/c
 def resolve_jit(choice: str, num_gpus: int) -> bool:
     """Whether to XLA-compile the train step for `--jit-compile choice`.
 
-    `auto` is off. Measured on this project's 2-core AVX512-BF16 CPU, small preset,
-    Multi30k, 4096-token batches (20 steps, shared machine, so +-30%): mixed_bfloat16
-    ~1030 target tokens/s without XLA, ~2390 with XLA once compiled, but each new
-    (source, target) batch shape costs ~13 s of compilation and bucketing yields ~55
-    shapes per epoch, so XLA only pays off in runs longer than about an hour. On GPUs it
+    `auto` is off. Measured uncontended on this project's 2-core AVX512-BF16 CPU (small
+    preset, 64 x 32 x 32, mixed_bfloat16; BENCHMARKS.md): the XLA-compiled step takes
+    0.67-0.74 s against 0.35-0.38 s without XLA, whatever the XLA oneDNN/XNNPACK flags, since
+    XLA's CPU matmuls do not reach oneDNN's bfloat16 kernels; and each new batch shape costs
+    seconds of compilation. Only the loss, which has no matmul, is XLA-compiled. On GPUs it
     has not been measured here; `on` forces it.
     """
     if choice not in JIT_CHOICES:
