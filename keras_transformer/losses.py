@@ -12,6 +12,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_transformer.kernels import fused_kernels, smoothed_cross_entropy
+
 PAD_ID = 0
 
 
@@ -27,6 +29,11 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     separate TensorFlow ops, 22 ms as two XLA computations, 20 ms as this one). Only this
     elementwise part is compiled; the matmuls stay with oneDNN.
 
+    With the fused CPU kernels (`keras_transformer.kernels`) the forward pass is one C++ op
+    that keeps only the log-normalizer, and the backward pass writes the gradient, already
+    scaled, in one more: 64x32x8000 logits take 4 + 5 ms instead of the XLA pass's 20 ms
+    plus the scaling.
+
     Args:
         labels: int (batch, length).
         logits: (batch, length, vocab); computed in float32 whatever their dtype.
@@ -37,6 +44,9 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     """
     labels = tf.cast(labels, tf.int32)
     eps = float(label_smoothing)
+    library = fused_kernels()
+    if library is not None:
+        return smoothed_cross_entropy(library, labels, logits, eps)
 
     @tf.custom_gradient
     def cross_entropy(logits):

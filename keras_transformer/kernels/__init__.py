@@ -1,0 +1,199 @@
+"""Fused CPU kernels for training: C++ TensorFlow ops compiled on first use.
+
+On a CPU, what the matmuls leave of a training step is long chains of small memory-bound
+ops (casts, dropout masks, LayerNorm moments, the softmax over the vocabulary), each a pass
+over memory plus a dispatch. `fused_ops.cc` does each chain in one pass:
+
+- `smoothed_cross_entropy`: 5.4 label-smoothed cross-entropy; the gradient is computed in
+  the backward pass from the logits and the stored log-normalizer, already scaled by the
+  upstream gradient.
+- `residual_norm`: 3.1 post-norm LayerNorm(residual + Dropout(x)) with 5.4's dropout drawn
+  from a counter-based hash of (seed, element index), so the backward pass recomputes the
+  mask instead of storing it.
+
+They are used only where nothing is exported: the training loss and training-mode layers
+(exported SavedModels and inference graphs contain standard TensorFlow ops only). The library
+is built with the system's `g++` against the installed TensorFlow's headers into a cache
+(`$KERAS_TRANSFORMER_CACHE`, default `~/.cache/keras_transformer`), keyed by the source, the
+TensorFlow version and the CPU. `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto` (default:
+use them when they build and no GPU is visible, else fall back to TensorFlow ops with one
+warning), `off`, or `on` (raise if they cannot be built).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import tensorflow as tf
+
+SOURCE = Path(__file__).with_name("fused_ops.cc")
+MODE_VARIABLE = "KERAS_TRANSFORMER_FUSED_KERNELS"
+CACHE_VARIABLE = "KERAS_TRANSFORMER_CACHE"
+_MODES = ("auto", "on", "off")
+# -fno-trapping-math lets g++ vectorize the float reductions and selects; nothing here relies
+# on floating-point exceptions.
+_OPTIMIZATION_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math",
+                       "-fno-math-errno", "-fno-strict-aliasing", "-w"]
+
+
+class KernelBuildError(RuntimeError):
+    """The fused kernels could not be compiled or loaded."""
+
+
+def mode() -> str:
+    """The selected mode from `KERAS_TRANSFORMER_FUSED_KERNELS` (auto, on or off)."""
+    value = os.environ.get(MODE_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in _MODES:
+        raise ValueError(f"{MODE_VARIABLE}={value!r} is not one of {', '.join(_MODES)}.")
+    return value
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted)
+
+
+def _build_command(output: Path) -> list[str]:
+    compiler = os.environ.get("CXX", "g++")
+    return [compiler, "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
+            *tf.sysconfig.get_compile_flags(), str(SOURCE), "-o", str(output),
+            *tf.sysconfig.get_link_flags()]
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, TensorFlow and CPU is cached."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), tf.__version__.encode(), " ".join(_OPTIMIZATION_FLAGS).encode(),
+                 _cpu_signature().encode(), sys.platform.encode()):
+        key.update(part)
+    cache = Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "keras_transformer")
+    return cache / "kernels" / f"fused_ops-{key.hexdigest()[:16]}.so"
+
+
+def build(path: Path) -> Path:
+    """Compiles `fused_ops.cc` to `path` (atomically: a failed build leaves nothing there)."""
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(
+            f"no C++ compiler {compiler!r} on PATH to build the fused kernels; install g++ "
+            f"(e.g. apt-get install g++) or set {MODE_VARIABLE}=off.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        partial = Path(scratch) / path.name
+        result = subprocess.run(_build_command(partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(
+                f"compiling {SOURCE} failed (exit {result.returncode}):\n"
+                + result.stderr[-2000:])
+        os.replace(partial, path)
+    return path
+
+
+@functools.cache
+def _load():
+    path = library_path()
+    if not path.exists():
+        build(path)
+    try:
+        return tf.load_op_library(str(path))
+    except (tf.errors.NotFoundError, OSError) as error:
+        raise KernelBuildError(f"loading {path} failed: {error}") from error
+
+
+def fused_kernels():
+    """The loaded op library, or None when the fused kernels are off or unavailable.
+
+    Raises:
+        KernelBuildError: in mode `on`, when the library cannot be built or loaded.
+    """
+    selected = mode()
+    if selected == "off" or (selected == "auto" and tf.config.list_logical_devices("GPU")):
+        return None
+    try:
+        return _load()
+    except KernelBuildError as error:
+        if selected == "on":
+            raise
+        _warn_fallback(str(error))
+        return None
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"fused CPU kernels unavailable, training uses TensorFlow ops (slower): "
+                  f"{reason}", RuntimeWarning, stacklevel=3)
+
+
+def smoothed_cross_entropy(library, labels, logits, label_smoothing: float):
+    """Per-token label-smoothed cross-entropy with the fused kernels.
+
+    Args:
+        library: `fused_kernels()`.
+        labels: int32 (...,), each in [0, vocab).
+        logits: float32 or bfloat16 (..., vocab).
+        label_smoothing: eps; the target is (1 - eps) * one_hot + eps / vocab.
+
+    Returns:
+        float32 (...,) losses; the gradient comes back in the logits' dtype.
+    """
+    eps = float(label_smoothing)
+
+    @tf.custom_gradient
+    def cross_entropy(logits):
+        loss, log_normalizer = library.kt_smoothed_cross_entropy(
+            logits, labels, label_smoothing=eps)
+
+        def grad(upstream):
+            return library.kt_smoothed_cross_entropy_grad(
+                logits, labels, log_normalizer, tf.cast(upstream, tf.float32),
+                label_smoothing=eps)
+
+        return loss, grad
+
+    return cross_entropy(logits)
+
+
+def residual_norm(library, x, residual, gamma, beta, seed, epsilon: float, rate: float):
+    """LayerNorm(residual + Dropout(x)) over the last axis with the fused kernels.
+
+    Args:
+        library: `fused_kernels()`.
+        x: the sub-layer output (..., features), float32 or bfloat16.
+        residual: the sub-layer input, same shape and dtype.
+        gamma, beta: float32 (features,).
+        seed: int (2,); the dropout mask is a function of it, so use a fresh one per step.
+        epsilon: added to the variance.
+        rate: dropout rate in [0, 1); 0 disables dropout.
+
+    Returns:
+        a tensor like `x`.
+    """
+    seed = tf.cast(seed, tf.int64)
+    rate = float(rate)
+
+    @tf.custom_gradient
+    def normalize(x, residual, gamma, beta):
+        outputs, mean, inverse_std = library.kt_residual_norm(
+            x, residual, gamma, beta, seed, epsilon=float(epsilon), rate=rate)
+
+        def grad(upstream):
+            return library.kt_residual_norm_grad(
+                tf.cast(upstream, x.dtype), x, residual, gamma, seed, mean, inverse_std,
+                rate=rate)
+
+        return outputs, grad
+
+    return normalize(x, residual, tf.cast(gamma, tf.float32), tf.cast(beta, tf.float32))

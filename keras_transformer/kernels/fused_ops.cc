@@ -1,0 +1,581 @@
+// Fused CPU kernels for the training step (issue 6): each replaces a chain of small
+// memory-bound TensorFlow ops with one pass over the data.
+//
+//   KtSmoothedCrossEntropy / ...Grad   5.4 label-smoothed cross-entropy over the logits
+//   KtResidualNorm / ...Grad           3.1 LayerNorm(residual + Dropout(x)), 5.4 dropout
+//
+// Built by keras_transformer/kernels/__init__.py on first use (g++ against TensorFlow's
+// headers). Inputs of type T are float or bfloat16; all arithmetic is float32.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace keras_transformer {
+namespace {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Status;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::errors::InvalidArgument;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+using bf16 = Eigen::bfloat16;
+
+// ---- element access: bfloat16 <-> float by bit manipulation, so loops vectorize ----------
+
+inline float Load(const float* p, int64_t i) { return p[i]; }
+inline float Load(const bf16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+inline void Store(float* p, int64_t i, float value) { p[i] = value; }
+inline void Store(bf16* p, int64_t i, float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  const uint16_t rounded = static_cast<uint16_t>(bits >> 16);
+  reinterpret_cast<uint16_t*>(p)[i] = nan ? uint16_t{0x7fc0} : rounded;
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), branch-free so that it vectorizes.
+inline float ExpNonPositive(float x) {
+  x = x > -87.0f ? x : -87.0f;  // ternaries (not std::max) vectorize
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent, 4);
+  return p * scale;
+}
+
+template <typename Work>
+void ParallelRows(OpKernelContext* context, int64_t rows, int64_t cost_per_row, Work work) {
+  const auto& workers = *context->device()->tensorflow_cpu_worker_threads();
+  tensorflow::Shard(workers.num_threads, workers.workers, rows, cost_per_row, work);
+}
+
+// ---- 5.4 label-smoothed cross-entropy ---------------------------------------------------
+//
+// Per row of logits x (V classes) with label y and smoothing eps:
+//   lse = log sum exp(x);  loss = lse - (1 - eps) x[y] - eps mean(x)
+//   d loss / d x = softmax(x) - (1 - eps) one_hot(y) - eps / V
+// The forward pass keeps lse; the backward pass recomputes softmax from it while it scales
+// by the upstream gradient, so the (rows, V) gradient is written once and never re-read.
+
+REGISTER_OP("KtSmoothedCrossEntropy")
+    .Input("logits: T")
+    .Input("labels: int32")
+    .Output("loss: float")
+    .Output("log_normalizer: float")
+    .Attr("T: {float, bfloat16}")
+    .Attr("label_smoothing: float")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle rows;
+      TF_RETURN_IF_ERROR(c->Subshape(c->input(0), 0, -1, &rows));
+      c->set_output(0, rows);
+      c->set_output(1, rows);
+      return Status();
+    });
+
+REGISTER_OP("KtSmoothedCrossEntropyGrad")
+    .Input("logits: T")
+    .Input("labels: int32")
+    .Input("log_normalizer: float")
+    .Input("upstream: float")
+    .Output("logits_gradient: T")
+    .Attr("T: {float, bfloat16}")
+    .Attr("label_smoothing: float")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return Status();
+    });
+
+// Checks shapes and labels; returns false (with the error set) when they are invalid.
+Status CheckCrossEntropyInputs(const Tensor& logits, const Tensor& labels) {
+  if (!(logits.dims() >= 1)) {
+    return InvalidArgument("logits must have a class axis, got shape ",
+                              logits.shape().DebugString());
+  }
+  const int64_t classes = logits.dim_size(logits.dims() - 1);
+  if (!(labels.NumElements() * classes == logits.NumElements())) {
+    return InvalidArgument("labels ", labels.shape().DebugString(),
+                              " do not match logits ", logits.shape().DebugString(),
+                              " without their class axis");
+  }
+  const auto flat = labels.flat<int32_t>();
+  for (int64_t i = 0; i < flat.size(); ++i) {
+    if (!(flat(i) >= 0 && flat(i) < classes)) {
+    return InvalidArgument("label ", flat(i), " at position ", i, " is outside [0, ",
+                                classes, "): the labels do not fit the vocabulary");
+  }
+  }
+  return Status();
+}
+
+// Rows [begin, end) of the forward pass (restrict pointers, not lambda captures, so that
+// g++ vectorizes: see ResidualNormRows).
+template <typename T>
+void CrossEntropyRows(const T* __restrict x, const int32_t* __restrict labels, float eps,
+                      int64_t classes, int64_t begin, int64_t end, float* __restrict loss,
+                      float* __restrict log_normalizers) {
+  for (int64_t row = begin; row < end; ++row) {
+    const T* __restrict r = x + row * classes;
+    float maximum = -INFINITY;
+#pragma omp simd reduction(max : maximum)
+    for (int64_t j = 0; j < classes; ++j) {
+      const float v = Load(r, j);
+      maximum = v > maximum ? v : maximum;  // a ternary, not std::max, vectorizes
+    }
+    float total = 0.0f, sum = 0.0f;
+#pragma omp simd reduction(+ : total, sum)
+    for (int64_t j = 0; j < classes; ++j) {
+      const float v = Load(r, j);
+      total += ExpNonPositive(v - maximum);
+      sum += v;
+    }
+    const float log_normalizer = maximum + std::log(total);
+    log_normalizers[row] = log_normalizer;
+    loss[row] = log_normalizer - (1.0f - eps) * Load(r, labels[row]) -
+                eps * sum / static_cast<float>(classes);
+  }
+}
+
+// Rows [begin, end) of the gradient, scaled by the upstream gradient of each row.
+template <typename T>
+void CrossEntropyGradRows(const T* __restrict x, const int32_t* __restrict labels,
+                          const float* __restrict log_normalizers,
+                          const float* __restrict upstream, float eps, int64_t classes,
+                          int64_t begin, int64_t end, T* __restrict gradient) {
+  const float uniform = eps / static_cast<float>(classes);
+  for (int64_t row = begin; row < end; ++row) {
+    const T* __restrict r = x + row * classes;
+    T* __restrict g = gradient + row * classes;
+    const float scale = upstream[row];
+    const float normalizer = log_normalizers[row];
+    if (scale == 0.0f) {  // padding: the loss does not depend on this row
+#pragma omp simd
+      for (int64_t j = 0; j < classes; ++j) Store(g, j, 0.0f);
+      continue;
+    }
+    // x - lse <= 0 up to rounding of lse; the clamp keeps ExpNonPositive's domain.
+#pragma omp simd
+    for (int64_t j = 0; j < classes; ++j) {
+      const float shifted = Load(r, j) - normalizer;
+      Store(g, j, scale * (ExpNonPositive(shifted < 0.0f ? shifted : 0.0f) - uniform));
+    }
+    const float label_shifted = Load(r, labels[row]) - normalizer;
+    Store(g, labels[row],
+          scale * (ExpNonPositive(label_shifted < 0.0f ? label_shifted : 0.0f) - uniform -
+                   (1.0f - eps)));
+  }
+}
+
+template <typename T>
+class SmoothedCrossEntropyOp : public OpKernel {
+ public:
+  explicit SmoothedCrossEntropyOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("label_smoothing", &smoothing_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& logits = context->input(0);
+    const Tensor& labels = context->input(1);
+    OP_REQUIRES_OK(context, CheckCrossEntropyInputs(logits, labels));
+    const int64_t classes = logits.dim_size(logits.dims() - 1);
+    const int64_t rows = labels.NumElements();
+    TensorShape row_shape = logits.shape();
+    row_shape.RemoveLastDims(1);
+    Tensor* loss = nullptr;
+    Tensor* lse = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, row_shape, &loss));
+    OP_REQUIRES_OK(context, context->allocate_output(1, row_shape, &lse));
+    const T* x = logits.flat<T>().data();
+    const int32_t* y = labels.flat<int32_t>().data();
+    float* loss_out = loss->flat<float>().data();
+    float* lse_out = lse->flat<float>().data();
+    const float eps = smoothing_;
+    ParallelRows(context, rows, classes * 12, [&](int64_t begin, int64_t end) {
+      CrossEntropyRows(x, y, eps, classes, begin, end, loss_out, lse_out);
+    });
+  }
+
+ private:
+  float smoothing_;
+};
+
+template <typename T>
+class SmoothedCrossEntropyGradOp : public OpKernel {
+ public:
+  explicit SmoothedCrossEntropyGradOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("label_smoothing", &smoothing_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& logits = context->input(0);
+    const Tensor& labels = context->input(1);
+    const Tensor& lse = context->input(2);
+    const Tensor& upstream = context->input(3);
+    OP_REQUIRES_OK(context, CheckCrossEntropyInputs(logits, labels));
+    const int64_t rows = labels.NumElements();
+    OP_REQUIRES(context, lse.NumElements() == rows && upstream.NumElements() == rows,
+                InvalidArgument("log_normalizer and upstream need one value per label row"));
+    const int64_t classes = logits.dim_size(logits.dims() - 1);
+    Tensor* gradient = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, logits.shape(), &gradient));
+    const T* x = logits.flat<T>().data();
+    const int32_t* y = labels.flat<int32_t>().data();
+    const float* lse_in = lse.flat<float>().data();
+    const float* up = upstream.flat<float>().data();
+    T* out = gradient->flat<T>().data();
+    const float eps = smoothing_;
+    ParallelRows(context, rows, classes * 10, [&](int64_t begin, int64_t end) {
+      CrossEntropyGradRows(x, y, lse_in, up, eps, classes, begin, end, out);
+    });
+  }
+
+ private:
+  float smoothing_;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("KtSmoothedCrossEntropy").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    SmoothedCrossEntropyOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("KtSmoothedCrossEntropy").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
+    SmoothedCrossEntropyOp<bf16>);
+REGISTER_KERNEL_BUILDER(
+    Name("KtSmoothedCrossEntropyGrad").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    SmoothedCrossEntropyGradOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("KtSmoothedCrossEntropyGrad").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
+    SmoothedCrossEntropyGradOp<bf16>);
+
+// ---- 3.1 + 5.4 post-norm residual block: LayerNorm(residual + Dropout(x)) ---------------
+//
+// Dropout keeps element i when Hash(seed, i) >= threshold (a 32-bit threshold, so the rate is
+// exact to 2^-32) and scales survivors by 1 / (1 - rate). The mask is a pure function of the
+// seed and the element's index: the backward pass recomputes it instead of storing it.
+// The forward pass keeps per-row mean and 1/std; the backward pass recomputes the sum.
+
+inline uint32_t Mix(uint32_t v) {  // "lowbias32" integer hash (C. Wellons)
+  v ^= v >> 16;
+  v *= 0x7feb352du;
+  v ^= v >> 15;
+  v *= 0x846ca68bu;
+  v ^= v >> 16;
+  return v;
+}
+
+struct DropoutMask {
+  uint32_t key0 = 0, key1 = 0, threshold = 0;
+  float scale = 1.0f;
+  bool active = false;
+  // Writes the survivor scale (1 / (1 - rate)) or 0 for elements offset .. offset + n - 1.
+  // Without dropout `keep` holds ones, written once (`first`): the row loops then multiply
+  // by keep[j] unconditionally, which vectorizes where a per-element branch did not.
+  inline void Fill(float* __restrict keep, int64_t offset, int64_t n, bool first) const {
+    if (!active) {
+      if (first) std::fill(keep, keep + n, 1.0f);
+      return;
+    }
+    const uint32_t k0 = key0, k1 = key1, t = threshold;  // locals: no aliasing with keep
+    const float s = scale;
+    const uint32_t start = static_cast<uint32_t>(offset);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      keep[j] = Mix(Mix((start + static_cast<uint32_t>(j)) ^ k0) + k1) >= t ? s : 0.0f;
+    }
+  }
+};
+
+Status ReadDropout(const Tensor& seed, float rate, DropoutMask* mask) {
+  if (seed.NumElements() != 2) {
+    return InvalidArgument("seed must have 2 elements, got ", seed.shape().DebugString());
+  }
+  if (!(rate >= 0.0f && rate < 1.0f)) {
+    return InvalidArgument("dropout rate must be in [0, 1), got ", rate);
+  }
+  const auto s = seed.flat<int64_t>();
+  mask->key0 = Mix(static_cast<uint32_t>(s(0)) ^ Mix(static_cast<uint32_t>(s(0) >> 32)));
+  mask->key1 = Mix(static_cast<uint32_t>(s(1)) ^ Mix(static_cast<uint32_t>(s(1) >> 32) + 1u));
+  const double threshold = std::round(static_cast<double>(rate) * 4294967296.0);
+  mask->threshold = static_cast<uint32_t>(std::min(threshold, 4294967295.0));
+  mask->scale = rate > 0.0f ? static_cast<float>(1.0 / (1.0 - rate)) : 1.0f;
+  mask->active = rate > 0.0f;
+  return Status();
+}
+
+Status ResidualNormShape(InferenceContext* c) {
+  ShapeHandle rows;
+  TF_RETURN_IF_ERROR(c->Subshape(c->input(0), 0, -1, &rows));
+  c->set_output(0, c->input(0));
+  c->set_output(1, rows);
+  c->set_output(2, rows);
+  return Status();
+}
+
+REGISTER_OP("KtResidualNorm")
+    .Input("x: T")
+    .Input("residual: T")
+    .Input("gamma: float")
+    .Input("beta: float")
+    .Input("seed: int64")
+    .Output("y: T")
+    .Output("mean: float")
+    .Output("inverse_std: float")
+    .Attr("T: {float, bfloat16}")
+    .Attr("epsilon: float")
+    .Attr("rate: float")
+    .SetShapeFn(ResidualNormShape);
+
+REGISTER_OP("KtResidualNormGrad")
+    .Input("upstream: T")
+    .Input("x: T")
+    .Input("residual: T")
+    .Input("gamma: float")
+    .Input("seed: int64")
+    .Input("mean: float")
+    .Input("inverse_std: float")
+    .Output("x_gradient: T")
+    .Output("residual_gradient: T")
+    .Output("gamma_gradient: float")
+    .Output("beta_gradient: float")
+    .Attr("T: {float, bfloat16}")
+    .Attr("rate: float")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      c->set_output(1, c->input(1));
+      c->set_output(2, c->input(3));
+      c->set_output(3, c->input(3));
+      return Status();
+    });
+
+Status CheckResidualInputs(const Tensor& x, const Tensor& residual, const Tensor& gamma) {
+  if (!(x.dims() >= 1 && x.shape() == residual.shape())) {
+    return InvalidArgument("x ", x.shape().DebugString(), " and residual ",
+                              residual.shape().DebugString(), " must have the same shape");
+  }
+  const int64_t features = x.dim_size(x.dims() - 1);
+  if (!(gamma.dims() == 1 && gamma.dim_size(0) == features)) {
+    return InvalidArgument("gamma/beta must be (", features, ",), got ",
+                              gamma.shape().DebugString());
+  }
+  if (!(x.NumElements() <= (int64_t{1} << 32))) {
+    return InvalidArgument("more than 2^32 elements: the dropout index would wrap");
+  }
+  return Status();
+}
+
+// Rows [begin, end) of the forward pass. Plain restrict pointers (not lambda captures) so
+// that g++ knows the bfloat16 stores do not alias the inputs, and vectorizes.
+template <typename T>
+void ResidualNormRows(const T* __restrict x, const T* __restrict residual,
+                      const float* __restrict gamma, const float* __restrict beta,
+                      const DropoutMask& mask, float epsilon, int64_t features, int64_t begin,
+                      int64_t end, T* __restrict y, float* __restrict means,
+                      float* __restrict inverse_stds) {
+  std::vector<float> buffer(2 * features);
+  float* __restrict s = buffer.data();
+  float* __restrict keep = s + features;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t offset = row * features;
+    mask.Fill(keep, offset, features, row == begin);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < features; ++j) {
+      const float v = Load(residual, offset + j) + Load(x, offset + j) * keep[j];
+      s[j] = v;
+      total += v;
+    }
+    const float mean = total / static_cast<float>(features);
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < features; ++j) squares += (s[j] - mean) * (s[j] - mean);
+    const float inverse_std = 1.0f / std::sqrt(squares / features + epsilon);
+    means[row] = mean;
+    inverse_stds[row] = inverse_std;
+#pragma omp simd
+    for (int64_t j = 0; j < features; ++j) {
+      Store(y, offset + j, (s[j] - mean) * inverse_std * gamma[j] + beta[j]);
+    }
+  }
+}
+
+// Rows [begin, end) of the backward pass; adds this block's gamma/beta gradients to
+// dgamma/dbeta. With x_hat the normalized sum and g = dy * gamma:
+//   d sum = (g - mean(g) - x_hat * mean(g * x_hat)) / std;  dx = d sum * keep.
+template <typename T>
+void ResidualNormGradRows(const T* __restrict dy, const T* __restrict x,
+                          const T* __restrict residual, const float* __restrict gamma,
+                          const float* __restrict means, const float* __restrict inverse_stds,
+                          const DropoutMask& mask, int64_t features, int64_t begin, int64_t end,
+                          T* __restrict dx, T* __restrict dres, float* __restrict dgamma,
+                          float* __restrict dbeta) {
+  std::vector<float> buffer(3 * features);
+  float* __restrict xhat = buffer.data();
+  float* __restrict scaled = xhat + features;
+  float* __restrict keep = scaled + features;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t offset = row * features;
+    const float mean = means[row], inverse_std = inverse_stds[row];
+    mask.Fill(keep, offset, features, row == begin);
+    float scaled_sum = 0.0f, dot = 0.0f;
+#pragma omp simd reduction(+ : scaled_sum, dot)
+    for (int64_t j = 0; j < features; ++j) {
+      const float normalized =
+          (Load(residual, offset + j) + Load(x, offset + j) * keep[j] - mean) * inverse_std;
+      const float g = Load(dy, offset + j);
+      const float gs = g * gamma[j];
+      xhat[j] = normalized;
+      scaled[j] = gs;
+      dgamma[j] += g * normalized;
+      dbeta[j] += g;
+      scaled_sum += gs;
+      dot += gs * normalized;
+    }
+    const float mean_scaled = scaled_sum / features, mean_dot = dot / features;
+#pragma omp simd
+    for (int64_t j = 0; j < features; ++j) {
+      const float ds = inverse_std * (scaled[j] - mean_scaled - xhat[j] * mean_dot);
+      Store(dres, offset + j, ds);
+      Store(dx, offset + j, ds * keep[j]);
+    }
+  }
+}
+
+template <typename T>
+class ResidualNormOp : public OpKernel {
+ public:
+  explicit ResidualNormOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("epsilon", &epsilon_));
+    OP_REQUIRES_OK(context, context->GetAttr("rate", &rate_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& x = context->input(0);
+    const Tensor& residual = context->input(1);
+    const Tensor& gamma = context->input(2);
+    const Tensor& beta = context->input(3);
+    OP_REQUIRES_OK(context, CheckResidualInputs(x, residual, gamma));
+    OP_REQUIRES(context, beta.shape() == gamma.shape(),
+                InvalidArgument("beta must have gamma's shape"));
+    DropoutMask mask;
+    OP_REQUIRES_OK(context, ReadDropout(context->input(4), rate_, &mask));
+    const int64_t features = x.dim_size(x.dims() - 1);
+    const int64_t rows = x.NumElements() / std::max<int64_t>(features, 1);
+    TensorShape row_shape = x.shape();
+    row_shape.RemoveLastDims(1);
+    Tensor *y = nullptr, *means = nullptr, *inverse_stds = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, x.shape(), &y));
+    OP_REQUIRES_OK(context, context->allocate_output(1, row_shape, &means));
+    OP_REQUIRES_OK(context, context->allocate_output(2, row_shape, &inverse_stds));
+    const float epsilon = epsilon_;
+    ParallelRows(context, rows, features * 20, [&](int64_t begin, int64_t end) {
+      ResidualNormRows(x.flat<T>().data(), residual.flat<T>().data(),
+                       gamma.flat<float>().data(), beta.flat<float>().data(), mask, epsilon,
+                       features, begin, end, y->flat<T>().data(), means->flat<float>().data(),
+                       inverse_stds->flat<float>().data());
+    });
+  }
+
+ private:
+  float epsilon_, rate_;
+};
+
+template <typename T>
+class ResidualNormGradOp : public OpKernel {
+ public:
+  explicit ResidualNormGradOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("rate", &rate_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& upstream = context->input(0);
+    const Tensor& x = context->input(1);
+    const Tensor& residual = context->input(2);
+    const Tensor& gamma = context->input(3);
+    const Tensor& means = context->input(5);
+    const Tensor& inverse_stds = context->input(6);
+    OP_REQUIRES_OK(context, CheckResidualInputs(x, residual, gamma));
+    DropoutMask mask;
+    OP_REQUIRES_OK(context, ReadDropout(context->input(4), rate_, &mask));
+    const int64_t features = x.dim_size(x.dims() - 1);
+    const int64_t rows = x.NumElements() / std::max<int64_t>(features, 1);
+    OP_REQUIRES(context, upstream.shape() == x.shape() && means.NumElements() == rows &&
+                             inverse_stds.NumElements() == rows,
+                InvalidArgument("upstream, mean and inverse_std do not match x"));
+    Tensor *dx = nullptr, *dres = nullptr, *dgamma_out = nullptr, *dbeta_out = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, x.shape(), &dx));
+    OP_REQUIRES_OK(context, context->allocate_output(1, x.shape(), &dres));
+    OP_REQUIRES_OK(context, context->allocate_output(2, gamma.shape(), &dgamma_out));
+    OP_REQUIRES_OK(context, context->allocate_output(3, gamma.shape(), &dbeta_out));
+
+    // gamma/beta gradients sum over rows: each fixed block of rows accumulates its own
+    // partial sums, added up in order afterwards (deterministic whatever the threading).
+    const auto& workers = *context->device()->tensorflow_cpu_worker_threads();
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * workers.num_threads));
+    std::vector<float> partial(2 * blocks * features, 0.0f);
+    ParallelRows(context, blocks, (rows / blocks + 1) * features * 30,
+                 [&](int64_t block_begin, int64_t block_end) {
+      for (int64_t block = block_begin; block < block_end; ++block) {
+        float* dgamma = partial.data() + 2 * block * features;
+        ResidualNormGradRows(upstream.flat<T>().data(), x.flat<T>().data(),
+                             residual.flat<T>().data(), gamma.flat<float>().data(),
+                             means.flat<float>().data(), inverse_stds.flat<float>().data(),
+                             mask, features, block * rows / blocks, (block + 1) * rows / blocks,
+                             dx->flat<T>().data(), dres->flat<T>().data(), dgamma,
+                             dgamma + features);
+      }
+    });
+    float* dgamma = dgamma_out->flat<float>().data();
+    float* dbeta = dbeta_out->flat<float>().data();
+    std::fill(dgamma, dgamma + features, 0.0f);
+    std::fill(dbeta, dbeta + features, 0.0f);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float* source = partial.data() + 2 * block * features;
+      for (int64_t j = 0; j < features; ++j) {
+        dgamma[j] += source[j];
+        dbeta[j] += source[features + j];
+      }
+    }
+  }
+
+ private:
+  float rate_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KtResidualNorm").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+                        ResidualNormOp<float>);
+REGISTER_KERNEL_BUILDER(Name("KtResidualNorm").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
+                        ResidualNormOp<bf16>);
+REGISTER_KERNEL_BUILDER(
+    Name("KtResidualNormGrad").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    ResidualNormGradOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("KtResidualNormGrad").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
+    ResidualNormGradOp<bf16>);
+
+}  // namespace
+}  // namespace keras_transformer
