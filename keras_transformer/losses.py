@@ -46,7 +46,7 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     eps = float(label_smoothing)
     library = fused_kernels()
     if library is not None:
-        return smoothed_cross_entropy(library, labels, logits, eps)
+        return smoothed_cross_entropy(library, labels, _before_exact_upcast(logits), eps)
 
     @tf.custom_gradient
     def cross_entropy(logits):
@@ -58,6 +58,21 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
         return loss, grad
 
     return cross_entropy(logits)
+
+
+def _before_exact_upcast(logits):
+    """The bfloat16 tensor that graph-mode `logits` were cast to float32 from, if any.
+
+    A mixed-precision model returns float32 logits cast from its 16-bit matmul (keras'
+    advice for outputs). The cast is exact, so reading the 16-bit tensor gives the same
+    values at half the memory traffic, and the cast and its gradient drop out of the step
+    (5.6 ms of 64x32x8000 logits on this project's CPU). Eager tensors are returned as is.
+    """
+    op = getattr(logits, "op", None)
+    if op is None or op.type != "Cast" or logits.dtype != tf.float32:
+        return logits
+    source = op.inputs[0]
+    return source if source.dtype == tf.bfloat16 else logits  # the kernels take bfloat16
 
 
 def _smoothed_loss(logits, labels, log_normalizer, eps: float):

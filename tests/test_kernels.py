@@ -208,3 +208,31 @@ def test_training_step_matches_tensorflow_ops_without_dropout(monkeypatch):
     np.testing.assert_allclose(results["on"][0], results["off"][0], **F32_TOL)
     for got, want in zip(results["on"][1], results["off"][1], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_loss_reads_bfloat16_logits_through_an_exact_upcast(library, monkeypatch):
+    """Model outputs cast bfloat16 -> float32 are read before the cast: same loss, same
+    gradient for the bfloat16 logits as the TensorFlow ops give through the cast."""
+    from keras_transformer.losses import _before_exact_upcast, token_cross_entropy
+
+    rng = np.random.default_rng(0)
+    logits16 = tf.cast(rng.normal(size=(2, 3, 20)).astype("float32") * 3, tf.bfloat16)
+    labels = tf.constant(rng.integers(0, 20, (2, 3)), tf.int32)
+
+    def loss_and_gradient():
+        with tf.GradientTape() as tape:
+            tape.watch(logits16)
+            logits = tf.cast(logits16, tf.float32)
+            assert _before_exact_upcast(logits) is not logits  # graph mode: the bf16 input
+            loss = tf.reduce_sum(token_cross_entropy(labels, logits, 0.1))
+        return loss, tape.gradient(loss, logits16)
+
+    results = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv(kernels.MODE_VARIABLE, mode)
+        traced = tf.function(loss_and_gradient)  # traced anew in each mode
+        results[mode] = [tf.cast(t, tf.float32).numpy() for t in traced()]
+    np.testing.assert_allclose(results["on"][0], results["off"][0], **F32_TOL)
+    np.testing.assert_allclose(results["on"][1], results["off"][1], **BF16_TOL)
+    eager = tf.cast(logits16, tf.float32)
+    assert _before_exact_upcast(eager) is eager
