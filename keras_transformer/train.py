@@ -270,7 +270,7 @@ def evaluate_loss(model, tokenizer, corpus, args: argparse.Namespace) -> float:
     for features, labels in make_batches(corpus, tokenizer, tokens_per_batch=args.tokens_per_batch,
                                          max_length=args.max_length, shuffle=False):
         loss_sum, count = masked_token_loss_sum(labels, model(features, training=False),
-                                                args.label_smoothing)
+                                                args.label_smoothing, differentiable=False)
         total += float(loss_sum)
         tokens += float(count)
     return total / max(tokens, 1.0)

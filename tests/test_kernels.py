@@ -236,3 +236,21 @@ def test_loss_reads_bfloat16_logits_through_an_exact_upcast(library, monkeypatch
     np.testing.assert_allclose(results["on"][1], results["off"][1], **BF16_TOL)
     eager = tf.cast(logits16, tf.float32)
     assert _before_exact_upcast(eager) is eager
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_forward_only_loss_equals_the_differentiable_one(mode, monkeypatch):
+    from keras_transformer.losses import Perplexity, masked_token_loss_sum
+
+    monkeypatch.setenv(kernels.MODE_VARIABLE, mode)
+    rng = np.random.default_rng(1)
+    logits = tf.constant(rng.normal(size=(3, 4, 30)).astype("float32") * 2)
+    labels = tf.constant(rng.integers(0, 30, (3, 4)), tf.int32)
+    with_gradient = masked_token_loss_sum(labels, logits, 0.1)
+    value_only = masked_token_loss_sum(labels, logits, 0.1, differentiable=False)
+    np.testing.assert_allclose(np.array(value_only), np.array(with_gradient), **F32_TOL)
+    perplexity = Perplexity()
+    perplexity.update_state(labels, logits)
+    loss_sum, tokens = masked_token_loss_sum(labels, logits, 0.0)
+    np.testing.assert_allclose(float(perplexity.result()), np.exp(float(loss_sum / tokens)),
+                               rtol=1e-5)

@@ -137,13 +137,26 @@ def _warn_fallback(reason: str) -> None:
                   f"{reason}", RuntimeWarning, stacklevel=3)
 
 
+def _kernel_dtype(tensor):
+    """`tensor` as float32 or bfloat16, the dtypes the kernels take."""
+    tensor = tf.convert_to_tensor(tensor)
+    return tensor if tensor.dtype in (tf.float32, tf.bfloat16) else tf.cast(tensor, tf.float32)
+
+
+def smoothed_cross_entropy_value(library, labels, logits, label_smoothing: float):
+    """`smoothed_cross_entropy`'s forward pass alone (metrics, validation): float32 (...,)."""
+    loss, _ = library.kt_smoothed_cross_entropy(
+        _kernel_dtype(logits), labels, label_smoothing=float(label_smoothing))
+    return loss
+
+
 def smoothed_cross_entropy(library, labels, logits, label_smoothing: float):
     """Per-token label-smoothed cross-entropy with the fused kernels.
 
     Args:
         library: `fused_kernels()`.
         labels: int32 (...,), each in [0, vocab).
-        logits: float32 or bfloat16 (..., vocab).
+        logits: (..., vocab); float32 or bfloat16 (other dtypes are cast to float32).
         label_smoothing: eps; the target is (1 - eps) * one_hot + eps / vocab.
 
     Returns:
@@ -163,7 +176,7 @@ def smoothed_cross_entropy(library, labels, logits, label_smoothing: float):
 
         return loss, grad
 
-    return cross_entropy(logits)
+    return cross_entropy(_kernel_dtype(logits))
 
 
 def residual_norm(library, x, residual, gamma, beta, seed, epsilon: float, rate: float):

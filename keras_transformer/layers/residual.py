@@ -53,7 +53,9 @@ class ResidualNorm(keras.layers.Layer):
         residual add and LayerNorm in one pass forward and one backward, instead of ~25 small
         ops. Inference, and so every export, uses the layers' standard TensorFlow ops.
         """
-        library = None if self.pre_norm or training is not True else fused_kernels()
+        fusable = (not self.pre_norm and training is True
+                   and self.compute_dtype in ("float32", "bfloat16"))
+        library = fused_kernels() if fusable else None
         if library is not None:
             seed = (self.dropout_layer.seed_generator.next() if self.dropout > 0
                     else tf.zeros([2], tf.int64))
