@@ -152,15 +152,20 @@ def test_mode_is_read_from_the_environment(monkeypatch):
 def test_a_failed_build_falls_back_or_raises_and_leaves_no_library(monkeypatch, tmp_path):
     monkeypatch.setenv(kernels.CACHE_VARIABLE, str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    builds = []
+    real_build = kernels.build
+    monkeypatch.setattr(kernels, "build", lambda path: builds.append(path) or real_build(path))
     kernels._load.cache_clear()
     kernels._warn_fallback.cache_clear()
     try:
         monkeypatch.setenv(kernels.MODE_VARIABLE, "auto")
         with pytest.warns(RuntimeWarning, match="compiling .*fused_ops.cc failed"):
             assert kernels.fused_kernels() is None
+        assert kernels.fused_kernels() is None
         monkeypatch.setenv(kernels.MODE_VARIABLE, "on")
         with pytest.raises(kernels.KernelBuildError, match="failed"):
             kernels.fused_kernels()
+        assert len(builds) == 1  # one attempt per process, not one per layer call
         assert not list(tmp_path.rglob("*.so"))
     finally:
         kernels._load.cache_clear()

@@ -104,13 +104,17 @@ def build(path: Path) -> Path:
 
 @functools.cache
 def _load():
+    """(library, None) or (None, the KernelBuildError): one attempt per process, so a failing
+    build is not retried at every layer call."""
     path = library_path()
-    if not path.exists():
-        build(path)
     try:
-        return tf.load_op_library(str(path))
+        if not path.exists():
+            build(path)
+        return tf.load_op_library(str(path)), None
     except (tf.errors.NotFoundError, OSError) as error:
-        raise KernelBuildError(f"loading {path} failed: {error}") from error
+        return None, KernelBuildError(f"loading {path} failed: {error}")
+    except KernelBuildError as error:
+        return None, error
 
 
 def fused_kernels():
@@ -122,13 +126,12 @@ def fused_kernels():
     selected = mode()
     if selected == "off" or (selected == "auto" and tf.config.list_logical_devices("GPU")):
         return None
-    try:
-        return _load()
-    except KernelBuildError as error:
+    library, error = _load()
+    if error is not None:
         if selected == "on":
-            raise
+            raise error
         _warn_fallback(str(error))
-        return None
+    return library
 
 
 @functools.cache
