@@ -300,3 +300,19 @@ def test_versions_increment_and_a_failed_export_leaves_nothing(exported, tmp_pat
     monkeypatch.setattr(tf.saved_model, "save", fake_save)
     assert export_saved_model(model, tokenizer, base).name == "12"
     assert not [p for p in base.iterdir() if p.name.startswith(".")]
+
+
+def test_export_contains_only_standard_ops(exported):
+    """The fused training kernels (custom ops, `Kt*`) never reach a SavedModel: TF Serving
+    could not run them."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    _, _, path, _ = exported
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
+    graphs = [meta_graph.graph_def for meta_graph in saved_model.meta_graphs]
+    op_types = {node.op for graph in graphs for node in graph.node}
+    op_types |= {node.op for graph in graphs for function in graph.library.function
+                 for node in function.node_def}
+    assert "MatMul" in op_types or "BatchMatMulV2" in op_types
+    assert not {op for op in op_types if op.startswith("Kt")}

@@ -100,31 +100,35 @@ def test_residual_norm_without_dropout_is_layer_norm_of_the_sum(library, dtype):
                                    tf.cast(want, tf.float32).numpy(), **tolerance(dtype))
 
 
-def fused_with_mask(library, rate, seed, shape=(8, 16, 64)):
+def fused_with_mask(library, rate, seed, shape=(8, 16, 64), dtype=tf.float32):
     """Output, gradients and the dropout keep-scale recovered as dx / d residual."""
-    x, residual, gamma, beta, upstream = random_block(tf.float32, shape)
+    x, residual, gamma, beta, upstream = random_block(dtype, shape)
     seed = tf.constant(seed, tf.int64)
     outputs, grads = gradients(
         lambda *t: kernels.residual_norm(library, *t, seed, 1e-6, rate),
         [x, residual, gamma, beta], upstream)
-    keep = (grads[0] / grads[1]).numpy()
+    dx, dres = (tf.cast(g, tf.float32).numpy() for g in grads[:2])
+    keep = np.divide(dx, dres, out=np.zeros_like(dx), where=dres != 0)
     return (x, residual, gamma, beta, upstream), outputs, grads, keep
 
 
-def test_residual_norm_dropout_is_one_mask_forward_and_backward(library):
+@pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
+def test_residual_norm_dropout_is_one_mask_forward_and_backward(library, dtype):
     rate = 0.3
     (x, residual, gamma, beta, upstream), outputs, grads, keep = fused_with_mask(
-        library, rate, [5, 6])
-    # dx = d residual * keep, where keep is 0 or 1 / (1 - rate) per element.
+        library, rate, [5, 6], dtype=dtype)
+    # dx = d residual * keep, where keep is 0 or 1 / (1 - rate) per element (up to bfloat16
+    # rounding of dx and d residual).
     np.testing.assert_allclose(np.minimum(np.abs(keep), np.abs(keep - 1 / (1 - rate))), 0,
-                               atol=1e-4)
+                               atol=1e-4 if dtype == tf.float32 else 2e-2)
     keep = np.where(keep > 0.5, 1 / (1 - rate), 0.0).astype("float32")
     assert abs((keep == 0).mean() - rate) < 0.01  # 8,192 elements: 5 standard deviations
+    tensors = [tf.cast(t, tf.float32) for t in (x, residual, gamma, beta)]
     expected, expected_grads = gradients(
-        lambda *t: reference_residual_norm(*t, keep), [x, residual, gamma, beta], upstream)
-    np.testing.assert_allclose(outputs.numpy(), expected.numpy(), **F32_TOL)
-    for got, want in zip(grads, expected_grads, strict=True):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), **F32_TOL)
+        lambda *t: reference_residual_norm(*t, keep), tensors, tf.cast(upstream, tf.float32))
+    for got, want in zip([outputs, *grads], [expected, *expected_grads], strict=True):
+        np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), want.numpy(),
+                                   **tolerance(dtype))
 
 
 def test_residual_norm_dropout_mask_depends_on_the_seed_only(library):
@@ -173,8 +177,10 @@ def test_a_failed_build_falls_back_or_raises_and_leaves_no_library(monkeypatch, 
 
 
 def op_types(function, *args) -> set:
-    graph = tf.function(function).get_concrete_function(*args).graph
-    return {op.type for op in graph.get_operations()}
+    """Op types of the traced function, including the functions nested in its graph."""
+    graph_def = tf.function(function).get_concrete_function(*args).graph.as_graph_def()
+    types = {node.op for node in graph_def.node}
+    return types | {node.op for nested in graph_def.library.function for node in nested.node_def}
 
 
 def test_only_training_graphs_use_the_kernels(library, monkeypatch):
@@ -216,31 +222,54 @@ def test_training_step_matches_tensorflow_ops_without_dropout(monkeypatch):
 
 
 def test_loss_reads_bfloat16_logits_through_an_exact_upcast(library, monkeypatch):
-    """Model outputs cast bfloat16 -> float32 are read before the cast: same loss, same
-    gradient for the bfloat16 logits as the TensorFlow ops give through the cast."""
-    from keras_transformer.losses import _before_exact_upcast, token_cross_entropy
+    """The Keras loss reads model outputs cast bfloat16 -> float32 before the cast: the same
+    loss, and the same gradient for the bfloat16 logits, as the TensorFlow ops through the
+    cast. The per-token function keeps the float32 logits differentiable."""
+    from keras_transformer.losses import (
+        LabelSmoothedCrossEntropy,
+        _before_exact_upcast,
+        token_cross_entropy,
+    )
 
     rng = np.random.default_rng(0)
     logits16 = tf.cast(rng.normal(size=(2, 3, 20)).astype("float32") * 3, tf.bfloat16)
-    labels = tf.constant(rng.integers(0, 20, (2, 3)), tf.int32)
+    labels = tf.constant(rng.integers(1, 20, (2, 3)), tf.int32)
 
-    def loss_and_gradient():
-        with tf.GradientTape() as tape:
+    def loss_and_gradients():
+        with tf.GradientTape(persistent=True) as tape:
             tape.watch(logits16)
             logits = tf.cast(logits16, tf.float32)
             assert _before_exact_upcast(logits) is not logits  # graph mode: the bf16 input
-            loss = tf.reduce_sum(token_cross_entropy(labels, logits, 0.1))
-        return loss, tape.gradient(loss, logits16)
+            loss = LabelSmoothedCrossEntropy(0.1)(labels, logits)
+            per_token = tf.reduce_sum(token_cross_entropy(labels, logits, 0.1))
+        to_float32 = tape.gradient(per_token, logits)
+        return loss, tape.gradient(loss, logits16), to_float32
 
     results = {}
     for mode in ("on", "off"):
         monkeypatch.setenv(kernels.MODE_VARIABLE, mode)
-        traced = tf.function(loss_and_gradient)  # traced anew in each mode
+        traced = tf.function(loss_and_gradients)  # traced anew in each mode
         results[mode] = [tf.cast(t, tf.float32).numpy() for t in traced()]
     np.testing.assert_allclose(results["on"][0], results["off"][0], **F32_TOL)
     np.testing.assert_allclose(results["on"][1], results["off"][1], **BF16_TOL)
+    np.testing.assert_allclose(results["on"][2], results["off"][2], **BF16_TOL)
     eager = tf.cast(logits16, tf.float32)
     assert _before_exact_upcast(eager) is eager
+
+
+def test_xla_compiled_steps_use_tensorflow_ops(library):
+    from keras_transformer.losses import token_cross_entropy
+
+    logits = tf.random.normal([2, 3, 11])
+    labels = tf.constant([[1, 2, 3], [4, 5, 0]])
+    for jit in (False, True):
+        graph = tf.function(lambda x: token_cross_entropy(labels, x, 0.1),
+                            jit_compile=jit).get_concrete_function(logits).graph
+        used = {op.type for op in graph.get_operations()}
+        assert ("KtSmoothedCrossEntropy" in used) is not jit
+    compiled = tf.function(lambda x: token_cross_entropy(labels, x, 0.1), jit_compile=True)
+    np.testing.assert_allclose(compiled(logits).numpy(),
+                               token_cross_entropy(labels, logits, 0.1).numpy(), **F32_TOL)
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])

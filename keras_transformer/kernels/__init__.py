@@ -15,9 +15,10 @@ They are used only where nothing is exported: the training loss and training-mod
 (exported SavedModels and inference graphs contain standard TensorFlow ops only). The library
 is built with the system's `g++` against the installed TensorFlow's headers into a cache
 (`$KERAS_TRANSFORMER_CACHE`, default `~/.cache/keras_transformer`), keyed by the source, the
-TensorFlow version and the CPU. `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto` (default:
-use them when they build and no GPU is visible, else fall back to TensorFlow ops with one
-warning), `off`, or `on` (raise if they cannot be built).
+TensorFlow build, the compiler and the CPU. `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto`
+(default: use them when no GPU is visible and they build, else TensorFlow ops, with one warning
+if the build failed), `off`, or `on` (raise if they cannot be built). XLA-compiled steps
+(`jit_compile=True`) always use TensorFlow ops.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def _cpu_signature() -> str:
     return "\n".join(wanted)
 
 
+def _compiler_version(compiler: str) -> str:
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    except OSError:
+        return "unavailable"
+    return result.stdout.partition("\n")[0]
+
+
 def _build_command(output: Path) -> list[str]:
     compiler = os.environ.get("CXX", "g++")
     return [compiler, "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
@@ -76,9 +85,12 @@ def _build_command(output: Path) -> list[str]:
 def library_path() -> Path:
     """Where the compiled library for this source, TensorFlow and CPU is cached."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), tf.__version__.encode(), " ".join(_OPTIMIZATION_FLAGS).encode(),
-                 _cpu_signature().encode(), sys.platform.encode()):
-        key.update(part)
+    compiler = os.environ.get("CXX", "g++")
+    for part in (SOURCE.read_bytes(), tf.__version__, tf.sysconfig.get_lib(),
+                 *tf.sysconfig.get_compile_flags(), *_OPTIMIZATION_FLAGS, compiler,
+                 _compiler_version(compiler), _cpu_signature(), sys.platform,
+                 platform.machine()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     cache = Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "keras_transformer")
     return cache / "kernels" / f"fused_ops-{key.hexdigest()[:16]}.so"
 
@@ -105,27 +117,45 @@ def build(path: Path) -> Path:
 @functools.cache
 def _load():
     """(library, None) or (None, the KernelBuildError): one attempt per process, so a failing
-    build is not retried at every layer call."""
-    path = library_path()
+    build is not retried at every layer call. A cached library that does not load (e.g. a
+    truncated file) is rebuilt once."""
     try:
+        path = library_path()
         if not path.exists():
             build(path)
-        return tf.load_op_library(str(path)), None
-    except (tf.errors.NotFoundError, OSError) as error:
-        return None, KernelBuildError(f"loading {path} failed: {error}")
+        try:
+            return tf.load_op_library(str(path)), None
+        except (tf.errors.NotFoundError, OSError):
+            build(path)
+            return tf.load_op_library(str(path)), None
     except KernelBuildError as error:
         return None, error
+    except (tf.errors.OpError, OSError, RuntimeError) as error:
+        return None, KernelBuildError(f"loading the fused kernels failed: {error}")
+
+
+def _in_xla_context() -> bool:
+    """Whether the current trace is XLA-compiled (`jit_compile=True`), which cannot run
+    custom ops. TensorFlow has no public API for this; the check is best-effort."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def fused_kernels():
-    """The loaded op library, or None when the fused kernels are off or unavailable.
+    """The loaded op library, or None when the fused kernels are off or unavailable, or when
+    tracing an XLA-compiled function (XLA compiles the TensorFlow ops instead).
 
     Raises:
         KernelBuildError: in mode `on`, when the library cannot be built or loaded.
     """
     selected = mode()
-    if selected == "off" or (selected == "auto" and tf.config.list_logical_devices("GPU")):
+    if selected == "off" or _in_xla_context():
         return None
+    if selected == "auto" and tf.config.list_logical_devices("GPU"):
+        return None  # CPU kernels: on a GPU machine they would pull the step onto the CPU
     library, error = _load()
     if error is not None:
         if selected == "on":

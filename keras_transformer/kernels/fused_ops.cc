@@ -54,7 +54,7 @@ inline void Store(bf16* p, int64_t i, float value) {
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), branch-free so that it vectorizes.
 inline float ExpNonPositive(float x) {
-  x = x > -87.0f ? x : -87.0f;  // ternaries (not std::max) vectorize
+  x = x < -87.0f ? -87.0f : x;  // a ternary (not std::max) vectorizes; NaN stays NaN
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -94,6 +94,7 @@ REGISTER_OP("KtSmoothedCrossEntropy")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle rows;
       TF_RETURN_IF_ERROR(c->Subshape(c->input(0), 0, -1, &rows));
+      TF_RETURN_IF_ERROR(c->Merge(rows, c->input(1), &rows));  // labels: the logits' rows
       c->set_output(0, rows);
       c->set_output(1, rows);
       return Status();
@@ -114,22 +115,23 @@ REGISTER_OP("KtSmoothedCrossEntropyGrad")
 
 // Checks shapes and labels; returns false (with the error set) when they are invalid.
 Status CheckCrossEntropyInputs(const Tensor& logits, const Tensor& labels) {
-  if (!(logits.dims() >= 1)) {
+  if (logits.dims() < 1) {
     return InvalidArgument("logits must have a class axis, got shape ",
-                              logits.shape().DebugString());
+                           logits.shape().DebugString());
   }
   const int64_t classes = logits.dim_size(logits.dims() - 1);
-  if (!(labels.NumElements() * classes == logits.NumElements())) {
-    return InvalidArgument("labels ", labels.shape().DebugString(),
-                              " do not match logits ", logits.shape().DebugString(),
-                              " without their class axis");
+  TensorShape rows = logits.shape();
+  rows.RemoveLastDims(1);
+  if (labels.shape() != rows) {
+    return InvalidArgument("labels ", labels.shape().DebugString(), " do not match logits ",
+                           logits.shape().DebugString(), " without their class axis");
   }
   const auto flat = labels.flat<int32_t>();
   for (int64_t i = 0; i < flat.size(); ++i) {
-    if (!(flat(i) >= 0 && flat(i) < classes)) {
-    return InvalidArgument("label ", flat(i), " at position ", i, " is outside [0, ",
-                                classes, "): the labels do not fit the vocabulary");
-  }
+    if (flat(i) < 0 || flat(i) >= classes) {
+      return InvalidArgument("label ", flat(i), " at position ", i, " is outside [0, ",
+                             classes, "): the labels do not fit the vocabulary");
+    }
   }
   return Status();
 }
@@ -157,8 +159,8 @@ void CrossEntropyRows(const T* __restrict x, const int32_t* __restrict labels, f
     }
     const float log_normalizer = maximum + std::log(total);
     log_normalizers[row] = log_normalizer;
-    loss[row] = log_normalizer - (1.0f - eps) * Load(r, labels[row]) -
-                eps * sum / static_cast<float>(classes);
+    const float uniform_term = eps > 0.0f ? eps * sum / static_cast<float>(classes) : 0.0f;
+    loss[row] = log_normalizer - (1.0f - eps) * Load(r, labels[row]) - uniform_term;
   }
 }
 
@@ -183,11 +185,11 @@ void CrossEntropyGradRows(const T* __restrict x, const int32_t* __restrict label
 #pragma omp simd
     for (int64_t j = 0; j < classes; ++j) {
       const float shifted = Load(r, j) - normalizer;
-      Store(g, j, scale * (ExpNonPositive(shifted < 0.0f ? shifted : 0.0f) - uniform));
+      Store(g, j, scale * (ExpNonPositive(shifted > 0.0f ? 0.0f : shifted) - uniform));
     }
     const float label_shifted = Load(r, labels[row]) - normalizer;
     Store(g, labels[row],
-          scale * (ExpNonPositive(label_shifted < 0.0f ? label_shifted : 0.0f) - uniform -
+          scale * (ExpNonPositive(label_shifted > 0.0f ? 0.0f : label_shifted) - uniform -
                    (1.0f - eps)));
   }
 }
@@ -314,7 +316,7 @@ Status ReadDropout(const Tensor& seed, float rate, DropoutMask* mask) {
   if (seed.NumElements() != 2) {
     return InvalidArgument("seed must have 2 elements, got ", seed.shape().DebugString());
   }
-  if (!(rate >= 0.0f && rate < 1.0f)) {
+  if (!(rate >= 0.0f && rate < 1.0f)) {  // also rejects NaN
     return InvalidArgument("dropout rate must be in [0, 1), got ", rate);
   }
   const auto s = seed.flat<int64_t>();
@@ -373,16 +375,19 @@ REGISTER_OP("KtResidualNormGrad")
     });
 
 Status CheckResidualInputs(const Tensor& x, const Tensor& residual, const Tensor& gamma) {
-  if (!(x.dims() >= 1 && x.shape() == residual.shape())) {
+  if (x.dims() < 1 || x.shape() != residual.shape()) {
     return InvalidArgument("x ", x.shape().DebugString(), " and residual ",
-                              residual.shape().DebugString(), " must have the same shape");
+                           residual.shape().DebugString(), " must have the same shape");
   }
   const int64_t features = x.dim_size(x.dims() - 1);
-  if (!(gamma.dims() == 1 && gamma.dim_size(0) == features)) {
-    return InvalidArgument("gamma/beta must be (", features, ",), got ",
-                              gamma.shape().DebugString());
+  if (features == 0) {
+    return InvalidArgument("x has no features to normalize: shape ", x.shape().DebugString());
   }
-  if (!(x.NumElements() <= (int64_t{1} << 32))) {
+  if (gamma.dims() != 1 || gamma.dim_size(0) != features) {
+    return InvalidArgument("gamma/beta must be (", features, ",), got ",
+                           gamma.shape().DebugString());
+  }
+  if (x.NumElements() > (int64_t{1} << 32)) {
     return InvalidArgument("more than 2^32 elements: the dropout index would wrap");
   }
   return Status();
@@ -532,19 +537,20 @@ class ResidualNormGradOp : public OpKernel {
     OP_REQUIRES_OK(context, context->allocate_output(2, gamma.shape(), &dgamma_out));
     OP_REQUIRES_OK(context, context->allocate_output(3, gamma.shape(), &dbeta_out));
 
-    // gamma/beta gradients sum over rows: each fixed block of rows accumulates its own
+    // gamma/beta gradients sum over rows: each block of kRowsPerBlock rows accumulates its own
     // partial sums, added up in order afterwards (deterministic whatever the threading).
-    const auto& workers = *context->device()->tensorflow_cpu_worker_threads();
-    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, 4 * workers.num_threads));
+    constexpr int64_t kRowsPerBlock = 64;
+    const int64_t blocks = std::max<int64_t>(1, (rows + kRowsPerBlock - 1) / kRowsPerBlock);
     std::vector<float> partial(2 * blocks * features, 0.0f);
-    ParallelRows(context, blocks, (rows / blocks + 1) * features * 30,
+    ParallelRows(context, blocks, kRowsPerBlock * features * 30,
                  [&](int64_t block_begin, int64_t block_end) {
       for (int64_t block = block_begin; block < block_end; ++block) {
         float* dgamma = partial.data() + 2 * block * features;
         ResidualNormGradRows(upstream.flat<T>().data(), x.flat<T>().data(),
                              residual.flat<T>().data(), gamma.flat<float>().data(),
                              means.flat<float>().data(), inverse_stds.flat<float>().data(),
-                             mask, features, block * rows / blocks, (block + 1) * rows / blocks,
+                             mask, features, block * kRowsPerBlock,
+                             std::min(rows, (block + 1) * kRowsPerBlock),
                              dx->flat<T>().data(), dres->flat<T>().data(), dgamma,
                              dgamma + features);
       }
