@@ -8,6 +8,9 @@ FLOPs / step time / matmul peak of the same precision. FLOP formula: benchmarks/
     python benchmarks/train_throughput.py --preset base --lengths 16 32 64 --precision mixed_bfloat16
     python benchmarks/train_throughput.py --real-data ../shared/data/multi30k   # + Multi30k
 
+Training uses the fused CPU kernels unless KERAS_TRANSFORMER_FUSED_KERNELS=off (each case
+reports `fused_kernels`); `benchmarks/fused_kernels_ab.py` compares the two in one process.
+
 With `--real-data`, also trains on Multi30k train (de->en) through the real pipeline (in-graph
 tokenizer, bucketed batches of 4,096 tokens): after `--real-warmup` steps (every new batch
 shape is traced), `--real-steps` timed steps; reports real (non-PAD) and padded target
@@ -33,6 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks.flops import train_step_flops  # noqa: E402
+from keras_transformer.kernels import fused_kernels  # noqa: E402
 from keras_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from keras_transformer.model import build_transformer, transformer_config  # noqa: E402
 from keras_transformer.schedule import paper_adam  # noqa: E402
@@ -86,7 +90,8 @@ def train_case(preset: str, precision: str, batch: int, source_length: int, targ
                              config.d_model, config.d_ff, vocab_size)
     keras.mixed_precision.set_global_policy("float32")
     return {
-        "preset": preset, "precision": precision, "jit_compile": jit_compile, "batch": batch,
+        "preset": preset, "precision": precision, "jit_compile": jit_compile,
+        "fused_kernels": fused_kernels() is not None and not jit_compile, "batch": batch,
         "source_length": source_length, "target_length": target_length,
         "step_time_s": round(step_time, 4),
         "target_tokens_per_s": round(batch * target_length / step_time, 1),
