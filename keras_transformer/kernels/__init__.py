@@ -67,6 +67,10 @@ def _cpu_signature() -> str:
     return "\n".join(wanted)
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
 def _compiler_version(compiler: str) -> str:
     try:
         result = subprocess.run([compiler, "--version"], capture_output=True, text=True)
@@ -76,16 +80,16 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _build_command(output: Path) -> list[str]:
-    compiler = os.environ.get("CXX", "g++")
-    return [compiler, "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
+    return [_compiler(), "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
             *tf.sysconfig.get_compile_flags(), str(SOURCE), "-o", str(output),
             *tf.sysconfig.get_link_flags()]
 
 
 def library_path() -> Path:
-    """Where the compiled library for this source, TensorFlow and CPU is cached."""
+    """Where the compiled library for this source, TensorFlow build, compiler and CPU is
+    cached."""
     key = hashlib.sha256()
-    compiler = os.environ.get("CXX", "g++")
+    compiler = _compiler()
     for part in (SOURCE.read_bytes(), tf.__version__, tf.sysconfig.get_lib(),
                  *tf.sysconfig.get_compile_flags(), *_OPTIMIZATION_FLAGS, compiler,
                  _compiler_version(compiler), _cpu_signature(), sys.platform,
@@ -97,7 +101,7 @@ def library_path() -> Path:
 
 def build(path: Path) -> Path:
     """Compiles `fused_ops.cc` to `path` (atomically: a failed build leaves nothing there)."""
-    compiler = os.environ.get("CXX", "g++")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         raise KernelBuildError(
             f"no C++ compiler {compiler!r} on PATH to build the fused kernels; install g++ "
