@@ -2,19 +2,19 @@
 
 On a CPU, what the matmuls leave of a training step is long chains of small memory-bound
 ops (casts, dropout masks, LayerNorm moments, the softmax over the vocabulary), each a pass
-over memory plus a dispatch. `fused_ops.cc` does each chain in one pass:
+over memory plus a dispatch. The C++ ops here do each chain in one pass:
 
-- `smoothed_cross_entropy`: 5.4 label-smoothed cross-entropy; the gradient is computed in
+- `smoothed_cross_entropy` (`cross_entropy.cc`): 5.4 label-smoothed cross-entropy; the gradient is computed in
   the backward pass from the logits and the stored log-normalizer, already scaled by the
   upstream gradient.
-- `residual_norm`: 3.1 post-norm LayerNorm(residual + Dropout(x)) with 5.4's dropout drawn
+- `residual_norm` (`residual_norm.cc`): 3.1 post-norm LayerNorm(residual + Dropout(x)) with 5.4's dropout drawn
   from a counter-based hash of (seed, element index), so the backward pass recomputes the
   mask instead of storing it.
 
 They are used only where nothing is exported: the training loss and training-mode layers
 (exported SavedModels and inference graphs contain standard TensorFlow ops only). The library
 is built with the system's `g++` against the installed TensorFlow's headers into a cache
-(`$KERAS_TRANSFORMER_CACHE`, default `~/.cache/keras_transformer`), keyed by the source, the
+(`$KERAS_TRANSFORMER_CACHE`, default `~/.cache/keras_transformer`), keyed by the sources, the
 TensorFlow build, the compiler and the CPU. `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto`
 (default: use them when no GPU is visible and they build, else TensorFlow ops, with one warning
 if the build failed), `off`, or `on` (raise if they cannot be built). XLA-compiled steps
@@ -36,7 +36,9 @@ from pathlib import Path
 
 import tensorflow as tf
 
-SOURCE = Path(__file__).with_name("fused_ops.cc")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cross_entropy.cc", _HERE / "residual_norm.cc")  # one library
+_HEADERS = (_HERE / "common.h",)
 MODE_VARIABLE = "KERAS_TRANSFORMER_FUSED_KERNELS"
 CACHE_VARIABLE = "KERAS_TRANSFORMER_CACHE"
 _MODES = ("auto", "on", "off")
@@ -81,7 +83,7 @@ def _compiler_version(compiler: str) -> str:
 
 def _build_command(output: Path) -> list[str]:
     return [_compiler(), "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
-            *tf.sysconfig.get_compile_flags(), str(SOURCE), "-o", str(output),
+            *tf.sysconfig.get_compile_flags(), *map(str, SOURCES), "-o", str(output),
             *tf.sysconfig.get_link_flags()]
 
 
@@ -90,7 +92,7 @@ def library_path() -> Path:
     cached."""
     key = hashlib.sha256()
     compiler = _compiler()
-    for part in (SOURCE.read_bytes(), tf.__version__, tf.sysconfig.get_lib(),
+    for part in (*(path.read_bytes() for path in SOURCES + _HEADERS), tf.__version__, tf.sysconfig.get_lib(),
                  *tf.sysconfig.get_compile_flags(), *_OPTIMIZATION_FLAGS, compiler,
                  _compiler_version(compiler), _cpu_signature(), sys.platform,
                  platform.machine()):
@@ -100,7 +102,7 @@ def library_path() -> Path:
 
 
 def build(path: Path) -> Path:
-    """Compiles `fused_ops.cc` to `path` (atomically: a failed build leaves nothing there)."""
+    """Compiles `SOURCES` into `path` (atomically: a failed build leaves nothing there)."""
     compiler = _compiler()
     if shutil.which(compiler) is None:
         raise KernelBuildError(
@@ -112,7 +114,8 @@ def build(path: Path) -> Path:
         result = subprocess.run(_build_command(partial), capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(
-                f"compiling {SOURCE} failed (exit {result.returncode}):\n"
+                f"compiling the fused kernels ({', '.join(p.name for p in SOURCES)}) failed "
+                f"(exit {result.returncode}):\n"
                 + result.stderr[-2000:])
         os.replace(partial, path)
     return path
