@@ -4,12 +4,12 @@ On a CPU, what the matmuls leave of a training step is long chains of small memo
 ops (casts, dropout masks, LayerNorm moments, the softmax over the vocabulary), each a pass
 over memory plus a dispatch. The C++ ops here do each chain in one pass:
 
-- `smoothed_cross_entropy` (`cross_entropy.cc`): 5.4 label-smoothed cross-entropy; the gradient is computed in
-  the backward pass from the logits and the stored log-normalizer, already scaled by the
-  upstream gradient.
-- `residual_norm` (`residual_norm.cc`): 3.1 post-norm LayerNorm(residual + Dropout(x)) with 5.4's dropout drawn
-  from a counter-based hash of (seed, element index), so the backward pass recomputes the
-  mask instead of storing it.
+- `smoothed_cross_entropy` (`cross_entropy.cc`): 5.4 label-smoothed cross-entropy; the
+  gradient is computed in the backward pass from the logits and the stored log-normalizer,
+  already scaled by the upstream gradient.
+- `residual_norm` (`residual_norm.cc`): 3.1 post-norm LayerNorm(residual + Dropout(x)) with
+  5.4's dropout drawn from a counter-based hash of (seed, element index), so the backward
+  pass recomputes the mask instead of storing it.
 
 They are used only where nothing is exported: the training loss and training-mode layers
 (exported SavedModels and inference graphs contain standard TensorFlow ops only). The library
@@ -92,8 +92,9 @@ def library_path() -> Path:
     cached."""
     key = hashlib.sha256()
     compiler = _compiler()
-    for part in (*(path.read_bytes() for path in SOURCES + _HEADERS), tf.__version__, tf.sysconfig.get_lib(),
-                 *tf.sysconfig.get_compile_flags(), *_OPTIMIZATION_FLAGS, compiler,
+    for part in (*(path.read_bytes() for path in SOURCES + _HEADERS), tf.__version__,
+                 tf.sysconfig.get_lib(), *tf.sysconfig.get_compile_flags(),
+                 *_OPTIMIZATION_FLAGS, compiler,
                  _compiler_version(compiler), _cpu_signature(), sys.platform,
                  platform.machine()):
         key.update(part if isinstance(part, bytes) else part.encode())

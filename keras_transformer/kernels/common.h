@@ -50,6 +50,12 @@ inline void Store(bf16* p, int64_t i, float value) {
   reinterpret_cast<uint16_t*>(p)[i] = nan ? uint16_t{0x7fc0} : rounded;
 }
 
+// Registers kernel class template `Op` for op `name` on the CPU in both supported dtypes.
+#define KT_REGISTER_CPU_KERNELS(name, Op)                                                \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU).TypeConstraint<float>("T"),   \
+                          Op<float>);                                                  \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU).TypeConstraint<bf16>("T"), Op<bf16>)
+
 template <typename Work>
 void ParallelRows(OpKernelContext* context, int64_t rows, int64_t cost_per_row, Work work) {
   const auto& workers = *context->device()->tensorflow_cpu_worker_threads();

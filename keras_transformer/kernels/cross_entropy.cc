@@ -209,18 +209,8 @@ class SmoothedCrossEntropyGradOp : public OpKernel {
   float smoothing_;
 };
 
-REGISTER_KERNEL_BUILDER(
-    Name("KtSmoothedCrossEntropy").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-    SmoothedCrossEntropyOp<float>);
-REGISTER_KERNEL_BUILDER(
-    Name("KtSmoothedCrossEntropy").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
-    SmoothedCrossEntropyOp<bf16>);
-REGISTER_KERNEL_BUILDER(
-    Name("KtSmoothedCrossEntropyGrad").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-    SmoothedCrossEntropyGradOp<float>);
-REGISTER_KERNEL_BUILDER(
-    Name("KtSmoothedCrossEntropyGrad").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
-    SmoothedCrossEntropyGradOp<bf16>);
+KT_REGISTER_CPU_KERNELS("KtSmoothedCrossEntropy", SmoothedCrossEntropyOp);
+KT_REGISTER_CPU_KERNELS("KtSmoothedCrossEntropyGrad", SmoothedCrossEntropyGradOp);
 
 }  // namespace
 }  // namespace keras_transformer

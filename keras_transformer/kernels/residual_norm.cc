@@ -221,7 +221,7 @@ class ResidualNormOp : public OpKernel {
     DropoutMask mask;
     OP_REQUIRES_OK(context, ReadDropout(context->input(4), rate_, &mask));
     const int64_t features = x.dim_size(x.dims() - 1);
-    const int64_t rows = x.NumElements() / std::max<int64_t>(features, 1);
+    const int64_t rows = x.NumElements() / features;  // features > 0: checked
     TensorShape row_shape = x.shape();
     row_shape.RemoveLastDims(1);
     Tensor *y = nullptr, *means = nullptr, *inverse_stds = nullptr;
@@ -259,7 +259,7 @@ class ResidualNormGradOp : public OpKernel {
     DropoutMask mask;
     OP_REQUIRES_OK(context, ReadDropout(context->input(4), rate_, &mask));
     const int64_t features = x.dim_size(x.dims() - 1);
-    const int64_t rows = x.NumElements() / std::max<int64_t>(features, 1);
+    const int64_t rows = x.NumElements() / features;  // features > 0: checked
     OP_REQUIRES(context, upstream.shape() == x.shape() && means.NumElements() == rows &&
                              inverse_stds.NumElements() == rows,
                 InvalidArgument("upstream, mean and inverse_std do not match x"));
@@ -304,17 +304,8 @@ class ResidualNormGradOp : public OpKernel {
   float rate_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("KtResidualNorm").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-                        ResidualNormOp<float>);
-REGISTER_KERNEL_BUILDER(Name("KtResidualNorm").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
-                        ResidualNormOp<bf16>);
-REGISTER_KERNEL_BUILDER(
-    Name("KtResidualNormGrad").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-    ResidualNormGradOp<float>);
-REGISTER_KERNEL_BUILDER(
-    Name("KtResidualNormGrad").Device(DEVICE_CPU).TypeConstraint<bf16>("T"),
-    ResidualNormGradOp<bf16>);
-
+KT_REGISTER_CPU_KERNELS("KtResidualNorm", ResidualNormOp);
+KT_REGISTER_CPU_KERNELS("KtResidualNormGrad", ResidualNormGradOp);
 
 }  // namespace
 }  // namespace keras_transformer
