@@ -3,6 +3,8 @@
 ```
 <run>/config.json        the model config, tokenizer settings, data and training arguments
 <run>/tokenizer/         spm.model, spm.vocab, tokenizer.json (pipelines.tokenizer)
+<run>/prepared/          the prepared training data unless --prepared puts them elsewhere
+                         (tokenizer and token shards, pipelines.prepared)
 <run>/model.keras        the final (checkpoint-averaged) model, loadable in a notebook
 <run>/checkpoints/       periodic weights, ckpt-<step>.weights.h5, and best.weights.h5
 <run>/backup/            keras.callbacks.BackupAndRestore state for resuming a killed run
@@ -24,6 +26,7 @@ import keras
 
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
+PREPARED_DIR = "prepared"
 MODEL_FILE = "model.keras"
 CHECKPOINT_DIR = "checkpoints"
 BACKUP_DIR = "backup"

@@ -84,6 +84,27 @@ class ThroughputLogger(keras.callbacks.Callback):
         logs["learning_rate"] = float(ops.convert_to_numpy(rate))
 
 
+class FirstStepTimer(keras.callbacks.Callback):
+    """Reports once, after the first training step, how long the command took to get there.
+
+    Args:
+        started: `time.perf_counter()` when the command started.
+        report: called with the message (e.g. `print`).
+    """
+
+    def __init__(self, started: float, report):
+        super().__init__()
+        self.started = started
+        self.report = report
+        self._done = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self._done:
+            self._done = True
+            self.report(f"first training step (step {global_step(self.model)}) done "
+                        f"{time.perf_counter() - self.started:.1f} s after start")
+
+
 class StopAt(keras.callbacks.Callback):
     """Stops after `max_steps` optimizer steps or `max_seconds` of training, whichever first.
 

@@ -51,8 +51,13 @@ def cluster_spec() -> tuple[dict[str, list[str]], str, int]:
 
 def is_multi_worker() -> bool:
     """True if `TF_CONFIG` describes a cluster of two or more training tasks."""
+    return num_workers() > 1
+
+
+def num_workers() -> int:
+    """How many training processes `TF_CONFIG` describes (chief and workers); 1 without it."""
     cluster, _, _ = cluster_spec()
-    return sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")) > 1
+    return max(1, sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")))
 
 
 def is_chief() -> bool:

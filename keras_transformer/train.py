@@ -1,7 +1,7 @@
 """Train a Transformer end to end: `python -m keras_transformer.train --help`.
 
-corpus -> shared subword vocabulary -> token-budget batches -> `model.fit` under a
-tf.distribute strategy (periodic/best checkpoints, resumable backup, TensorBoard) -> the
+corpus -> prepared data (shared subword vocabulary and token shards, made once:
+`pipelines.prepared`) -> token-budget batches -> `model.fit` under a tf.distribute strategy (periodic/best checkpoints, resumable backup, TensorBoard) -> the
 average of the last N checkpoints -> BLEU/chrF on the test split -> SavedModel export.
 
 Every flag and the corpus are validated before the run directory is created, so a bad
@@ -29,6 +29,7 @@ from typing import Any
 from keras_transformer import artifacts
 from keras_transformer.train_flags import (
     DEFAULT_MAX_STEPS,
+    PREPARE_WAIT_SECONDS,
     UsageError,
     build_parser,
     validate_args,
@@ -41,11 +42,19 @@ def say(*parts: Any) -> None:
 
 
 def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
-    """The train/val(/test) `ParallelCorpus` objects; `CorpusError` becomes `UsageError`."""
-    from pipelines.corpora import CorpusError, load_corpus
+    """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects.
 
-    corpora = {}
-    splits = {"train": args.train_split, "val": args.val_split}
+    `CorpusError` becomes `UsageError`.
+    """
+    from pipelines.corpora import CorpusError, load_corpus, open_corpus
+
+    corpora: dict[str, Any] = {}
+    try:
+        corpora["train"] = open_corpus(args.data, args.train_split, args.src, args.tgt,
+                                       data_dir=args.data_dir)
+    except CorpusError as error:
+        raise UsageError(f"train data: {error}") from None
+    splits = {"val": args.val_split}
     if args.test_split.lower() != "none":
         splits["test"] = args.test_split
     for role, split in splits.items():
@@ -57,11 +66,49 @@ def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
     return corpora
 
 
+def prepared_dir(args: argparse.Namespace) -> Path:
+    """Where the prepared training data live: --prepared, else <run>/prepared."""
+    return Path(args.prepared) if args.prepared else Path(args.out) / artifacts.PREPARED_DIR
+
+
+def preparation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings a prepared directory must have been made with to serve this run."""
+    return {"src_lang": args.src, "tgt_lang": args.tgt, "vocab_size": args.vocab_size,
+            "max_length": args.max_length, "tokenizer_sample": args.tokenizer_sample}
+
+
+def find_prepared(args: argparse.Namespace, train_split, will_overwrite: bool):
+    """The complete, matching prepared data of this run, or None if they must be made.
+
+    Raises:
+        UsageError: prepared data made with other settings, or from files changed since.
+    """
+    from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError
+
+    directory = prepared_dir(args)
+    inside_run = not args.prepared
+    if inside_run and will_overwrite:
+        return None  # deleted with the run directory
+    if not (directory / MANIFEST_FILE).is_file():
+        if directory.exists() and any(directory.iterdir()):
+            raise UsageError(f"--prepared {directory} exists but holds no prepared corpus "
+                             f"({MANIFEST_FILE} is missing); delete it or choose another")
+        return None
+    try:
+        prepared = PreparedCorpus.load(directory)
+        prepared.check_settings(preparation_settings(args))
+        prepared.check_source(train_split)
+    except PreparedError as error:
+        raise UsageError(str(error)) from None
+    return prepared
+
+
 def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
     """What config.json records. `identity` must match for a resume to be allowed."""
     model = {"preset": args.preset, **dataclasses.asdict(model_config)}
     identity = {
         "data": args.data, "src": args.src, "tgt": args.tgt, "train_split": args.train_split,
+        "prepared": args.prepared, "tokenizer_sample": args.tokenizer_sample,
         "model": model, "tokens_per_batch": args.tokens_per_batch,
         "max_length": args.max_length, "label_smoothing": args.label_smoothing,
         "warmup_steps": args.warmup_steps, "lr_scale": args.lr_scale, "seed": args.seed,
@@ -72,6 +119,7 @@ def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     try:
         model_config = validate_args(args)
@@ -86,6 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:  # the chief judges (and creates) the run directory; workers only read it
             finished = (Path(args.out) / artifacts.RESULTS_FILE).is_file()
             mode = "finished" if finished and not args.overwrite else "worker"
+        prepared = scan = None
+        if mode != "finished":
+            prepared = find_prepared(args, corpora["train"], will_overwrite=mode == "fresh")
+            if prepared is None and chief:
+                # The one validating pass over the training text, before anything exists.
+                from pipelines.corpora import CorpusError, scan_corpus
+
+                say(f"validating and sampling the training split of {args.data} ...")
+                try:
+                    scan = scan_corpus(corpora["train"], sample_pairs=args.tokenizer_sample,
+                                       seed=args.seed)
+                except CorpusError as error:
+                    raise UsageError(f"train data: {error}") from None
     except ValueError as error:  # UsageError, RunDirError, a malformed TF_CONFIG
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -105,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every worker must save (variables may need collective reads), only the chief's count.
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
     try:
-        outcome = train_model(args, config, corpora, strategy, out, home)
+        data = training_data(args, corpora["train"], prepared, scan, chief, home)
+        outcome = train_model(args, config, corpora, data, strategy, out, home, started)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         if chief and mode == "fresh":
@@ -124,12 +186,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     return finish(args, config, corpora, outcome)
 
 
+def training_data(args: argparse.Namespace, train_split, prepared, scan, chief: bool,
+                  home: Path):
+    """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`),
+    or, on other workers, waited for; its tokenizer is copied into the run directory.
+
+    Raises:
+        UsageError: the tokenizer cannot be trained, or differs from the run's.
+    """
+    from keras_transformer import distribution
+    from pipelines.prepared import PreparedError, prepare_corpus, wait_for_prepared
+    from pipelines.tokenizer import SubwordTokenizer
+
+    directory = prepared_dir(args)
+    if prepared is None and chief:
+        say(f"preparing {scan.pairs:,} training pairs into {directory} (once) ...")
+        try:
+            prepared = prepare_corpus(
+                train_split, directory, vocab_size=args.vocab_size, max_length=args.max_length,
+                tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
+                min_shards=distribution.num_workers(), seed=args.seed, scan=scan)
+        except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
+            raise UsageError(f"preparing {directory}: {error}") from None
+    elif prepared is None:
+        prepared = wait_for_prepared(directory, PREPARE_WAIT_SECONDS)
+    tokenizer = prepared.tokenizer()
+    run_tokenizer = home / artifacts.TOKENIZER_DIR
+    if (run_tokenizer / "spm.model").is_file():
+        if SubwordTokenizer.load(run_tokenizer).model_proto != tokenizer.model_proto:
+            raise UsageError(f"{run_tokenizer} differs from {directory / 'tokenizer'}: this run "
+                             "was trained with another vocabulary; use its original --prepared")
+    else:
+        tokenizer.save(run_tokenizer)
+    return prepared
+
+
 def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
-                strategy, out: Path, home: Path) -> dict[str, Any]:
-    """Vocabulary, pipelines, model and `model.fit`; returns what `finish` reports.
+                prepared, strategy, out: Path, home: Path, started: float) -> dict[str, Any]:
+    """Pipelines, model and `model.fit`; returns what `finish` reports.
 
     `out` is the run directory (read for resuming), `home` where this worker writes (`out`
-    on the chief, a scratch folder on other workers).
+    on the chief, a scratch folder on other workers), `started` when the command started.
     """
     import keras
     import tensorflow as tf
@@ -141,19 +238,17 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     from keras_transformer.precision import resolve_jit, resolve_precision
     from keras_transformer.schedule import paper_adam
     from pipelines.batching import make_batches
-    from pipelines.tokenizer import train_or_load_tokenizer
 
     keras.utils.set_random_seed(args.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
     precision, jit = resolve_precision(args.precision, gpus), resolve_jit(args.jit_compile, gpus)
     replicas = strategy.num_replicas_in_sync
-    try:
-        tokenizer = train_or_load_tokenizer(corpora["train"], home / artifacts.TOKENIZER_DIR,
-                                            vocab_size=args.vocab_size, seed=args.seed)
-    except ValueError as error:  # e.g. a vocabulary too large for a small corpus
-        raise UsageError(f"tokenizer: {error}") from None
+    tokenizer = prepared.tokenizer()
     config.update(precision=precision, jit_compile=jit, replicas=replicas,
-                  tokenizer_vocab_size=tokenizer.vocab_size)
+                  tokenizer_vocab_size=tokenizer.vocab_size,
+                  prepared={"directory": str(prepared.directory.resolve()),
+                            "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
+                            "pairs": prepared.pairs, "shards": prepared.num_shards})
     artifacts.write_json_atomic(home / artifacts.CONFIG_FILE, config)
 
     with strategy.scope():
@@ -180,12 +275,12 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
 
     def train_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
         contexts.append(context)
-        dataset = make_batches(corpora["train"], shuffle=True, repeat=True,
-                               input_context=context, **batching)
-        # The stream is seeded, so skipping the batches of the restored steps puts a resumed
-        # run exactly where the interrupted one was.
+        # The stream is seeded and its shards' batch counts known, so a resumed run starts
+        # exactly where the interrupted one was, reading one shard (no replay).
         per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
-        return dataset.skip(step * per_pipeline)
+        return prepared.batches(tokens_per_batch=args.tokens_per_batch,
+                                max_length=args.max_length, seed=args.seed,
+                                input_context=context, skip_batches=step * per_pipeline)
 
     train_data = strategy.distribute_datasets_from_function(train_batches)
     context = contexts[0]
@@ -206,7 +301,8 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         .repeat().take(val_steps * per_pipeline))
 
     if args.epochs:
-        per_epoch = _count(make_batches(corpora["train"], shuffle=False, **batching))
+        per_epoch = sum(len(ends) for ends in prepared.shard_batches(args.tokens_per_batch,
+                                                                     args.max_length))
         max_steps = max(1, math.ceil(args.epochs * per_epoch))
     else:
         max_steps = args.max_steps or DEFAULT_MAX_STEPS
@@ -219,7 +315,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         home / artifacts.CHECKPOINT_DIR, home / artifacts.BACKUP_DIR, args.checkpoint_every,
         keep=args.average_last, patience=args.patience, stopper=stopper, state=state)
     (home / artifacts.LOG_DIR).mkdir(parents=True, exist_ok=True)
-    callbacks = [stopper, throughput, checkpointer, keras.callbacks.TerminateOnNaN(),
+    callbacks = [cb.FirstStepTimer(started, say), stopper, throughput, checkpointer, keras.callbacks.TerminateOnNaN(),
                  keras.callbacks.CSVLogger(str(home / artifacts.LOG_DIR / "metrics.csv"),
                                            append=True)]
     if importlib.util.find_spec("tensorboard") is not None:
@@ -227,7 +323,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
         say("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
     say(f"training {model.count_params():,} parameters ({args.preset} preset, vocabulary "
-        f"{tokenizer.vocab_size}) on {len(corpora['train']):,} pairs: {replicas} replica(s), "
+        f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {replicas} replica(s), "
         f"{precision}, XLA {'on' if jit else 'off'}, steps {step} -> {max_steps}, "
         f"{args.tokens_per_batch} tokens/step; one Keras epoch = {interval} steps")
     distribution.build_for_distributed_fit(

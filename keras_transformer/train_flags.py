@@ -10,13 +10,16 @@ import argparse
 import math
 
 from keras_transformer.precision import JIT_CHOICES, PRECISIONS
+from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
 
 DEFAULT_MAX_STEPS = 100_000  # paper, base model; normally --max-minutes or --epochs ends first
+# How long a non-chief worker waits for the chief to prepare the training data.
+PREPARE_WAIT_SECONDS = 3 * 3600
 MODEL_FLAGS = ("num_layers", "d_model", "num_heads", "d_ff", "dropout", "attention_dropout",
                "activation", "pre_norm", "vocab_size")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -44,7 +47,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except absent ones ("None" would only confuse)."""
 
     def _get_help_string(self, action):
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Transformer (Vaswani et al., 2017) for translation: vocabulary, "
         "bucketed batches, model.fit under tf.distribute, checkpoint averaging, test BLEU, "
         "SavedModel export. The same command resumes an interrupted run.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", required=True,
@@ -74,19 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split scored with BLEU at the end; 'none' to skip")
     g.add_argument("--test-limit", type=_non_negative_int, default=0,
                    help="score only the first N test pairs (0 = all)")
-    g.add_argument("--vocab-size", type=_positive_int, default=8000,
+    g.add_argument("--vocab-size", type=positive_int, default=8000,
                    help="shared source/target subword vocabulary size")
-    g.add_argument("--tokens-per-batch", type=_positive_int, default=4096,
+    g.add_argument("--prepared",
+                   help="prepared training data (tokenizer and token shards, from `python -m "
+                   "keras_transformer.prepare`, reusable by several runs); prepared there by the "
+                   "first run if absent. Default: RUN/prepared. Workers of a multi-machine run "
+                   "read it from this path (shared), waiting up to "
+                   f"{PREPARE_WAIT_SECONDS // 3600} h for the chief to prepare it")
+    g.add_argument("--tokenizer-sample", type=positive_int, default=DEFAULT_TOKENIZER_SAMPLE,
+                   help="pairs sampled (seeded) from the train split to train SentencePiece on")
+    g.add_argument("--shard-pairs", type=positive_int, default=DEFAULT_SHARD_PAIRS,
+                   help="pairs per prepared shard (at least one shard per worker)")
+    g.add_argument("--tokens-per-batch", type=positive_int, default=4096,
                    help="global token budget per step, split over replicas")
-    g.add_argument("--max-length", type=_positive_int, default=128,
+    g.add_argument("--max-length", type=positive_int, default=128,
                    help="longest sentence in subwords; longer pairs are dropped from training")
     g = p.add_argument_group("model (overrides of the preset)")
     g.add_argument("--preset", default="small", choices=("tiny", "small", "base", "big"),
                    help="small: 3 layers, d_model 256 (Multi30k); base/big: paper Table 3")
-    g.add_argument("--num-layers", type=_positive_int, help="encoder and decoder layers (N)")
-    g.add_argument("--d-model", type=_positive_int, help="model width")
-    g.add_argument("--num-heads", type=_positive_int, help="attention heads (divide d_model)")
-    g.add_argument("--d-ff", type=_positive_int, help="feed-forward inner width")
+    g.add_argument("--num-layers", type=positive_int, help="encoder and decoder layers (N)")
+    g.add_argument("--d-model", type=positive_int, help="model width")
+    g.add_argument("--num-heads", type=positive_int, help="attention heads (divide d_model)")
+    g.add_argument("--d-ff", type=positive_int, help="feed-forward inner width")
     g.add_argument("--dropout", type=_fraction, help="residual/embedding dropout (P_drop)")
     g.add_argument("--attention-dropout", type=_fraction, help="dropout on attention weights")
     g.add_argument("--activation", choices=("relu", "gelu"), help="feed-forward activation")
@@ -94,11 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer norm before each sublayer instead of after (paper: after)")
     g = p.add_argument_group("optimization")
     g.add_argument("--label-smoothing", type=_fraction, default=0.1, help="epsilon_ls")
-    g.add_argument("--warmup-steps", type=_positive_int, default=4000,
+    g.add_argument("--warmup-steps", type=positive_int, default=4000,
                    help="learning rate warmup (paper: 4000; fewer suit short CPU runs)")
     g.add_argument("--lr-scale", type=_positive_float, default=1.0,
                    help="multiplies the paper's learning rate schedule")
-    g.add_argument("--max-steps", type=_positive_int,
+    g.add_argument("--max-steps", type=positive_int,
                    help=f"optimizer steps (default {DEFAULT_MAX_STEPS} unless --epochs)")
     g.add_argument("--epochs", type=_positive_float,
                    help="passes over the training data (converted to steps)")
@@ -115,16 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "faster compiled steps repay only after roughly an hour")
     g = p.add_argument_group("checkpoints, validation, outputs")
     g.add_argument("--out", required=True, help="run directory")
-    g.add_argument("--checkpoint-every", type=_positive_int, default=200,
+    g.add_argument("--checkpoint-every", type=positive_int, default=200,
                    help="steps between checkpoints (and resumable backups)")
-    g.add_argument("--validate-every", type=_positive_int,
+    g.add_argument("--validate-every", type=positive_int,
                    help="steps between validations (default: --checkpoint-every)")
     g.add_argument("--patience", type=_non_negative_int, default=10,
                    help="stop after this many validations without improvement (0 = never)")
-    g.add_argument("--average-last", type=_positive_int, default=5,
+    g.add_argument("--average-last", type=positive_int, default=5,
                    help="average the last N checkpoints (paper: 5); model.keras gets the average, or "
                    "the best checkpoint if that has the lower validation loss")
-    g.add_argument("--beam", type=_positive_int, default=4, help="beam size for test BLEU")
+    g.add_argument("--beam", type=positive_int, default=4, help="beam size for test BLEU")
     g.add_argument("--alpha", type=float, default=0.6, help="length penalty for test BLEU")
     g.add_argument("--export-dir", help="SavedModel base (default saved_models/<run name>)")
     g.add_argument("--no-export", action="store_true", help="skip the SavedModel export")

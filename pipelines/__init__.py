@@ -1,9 +1,16 @@
 """Data pipelines for the Transformer: corpora, the shared subword tokenizer, token batches.
 
-- :mod:`pipelines.corpora`: load and validate parallel corpora (local folders, tfds).
+- :mod:`pipelines.textfiles`, :mod:`pipelines.tfds_corpora`, :mod:`pipelines.corpora`:
+  stream and validate parallel corpora (local folders, tfds).
 - :mod:`pipelines.multi30k_tfds`: the ``multi30k`` tensorflow-datasets builder.
 - :mod:`pipelines.tokenizer`: sentencepiece vocabulary, applied in the TF graph.
 - :mod:`pipelines.batching`: length-bucketed, token-budget ``tf.data`` batches.
+- :mod:`pipelines.prepared`: a training split prepared once: tokenizer and token shards.
 
 Data flows one way: nothing here imports ``keras_transformer``.
 """
+
+# Defaults of the preparation (pipelines.prepared), here so that command lines can show them
+# without importing TensorFlow.
+DEFAULT_TOKENIZER_SAMPLE = 500_000  # pairs: 1M sentences, what SentencePiece handles well
+DEFAULT_SHARD_PAIRS = 100_000

@@ -1,9 +1,13 @@
 """Token-budget batches of sentence pairs of similar length (paper, section 5.1).
 
-Pipeline: pair indices -> [shard] -> shuffle -> [repeat] -> tokenize in chunks (parallel)
--> add EOS/BOS -> bucket by length with a token budget -> pad to bucket boundaries ->
-shuffle batches -> prefetch. Over-long pairs are removed before the dataset is built,
-and counted in a log line (logger ``"pipelines"``).
+The pairs are processed in *chunks* (a shard of a prepared corpus, or a whole in-memory
+corpus): each epoch visits the chunks in a seeded random order; within a chunk the pairs
+are shuffled, stably sorted by length bucket, cut into batches by a greedy token budget
+(:func:`plan_batches`), and the chunk's batches are shuffled. Everything per pair is one
+vectorised op per chunk; per batch, one gather and one pad. Because a chunk's batch
+boundaries depend only on its length histogram, the number of batches of every chunk is
+known in advance, so a stream can start at any batch without replaying the ones before
+(:class:`StreamPosition`).
 
 Batch format (what the model consumes)::
 
@@ -15,32 +19,42 @@ Batch format (what the model consumes)::
 
 with ``PAD_ID = 0`` padding everywhere.
 
-Bucketing: a pair goes to the bucket of the smallest boundary ``b >= max(S, T)``;
-a bucket's batches hold ``tokens_per_batch // b`` pairs, so **B * max(S, T) <=
-tokens_per_batch** always holds (S and T count padding). Each side is then padded to
-the smallest boundary that fits its own longest sequence in the batch, so shapes come
-from the small boundary grid. The default grid (step 1 up to 24, step 2 up to 48, then
-x1.1) gives about 94% real tokens on Multi30k de-en with 4096 tokens per batch.
+Bucketing: a pair's length is ``max(S, T)`` positions and its bucket the smallest boundary
+``b`` >= that length; a batch whose longest pair is in bucket ``b`` holds at most
+``tokens_per_batch // b`` pairs, so **B * max(S, T) <= tokens_per_batch** always holds
+(S and T count padding). Each side is padded to the smallest boundary that fits its own
+longest sequence in the batch, so shapes come from the small boundary grid. The default
+grid (step 1 up to 24, step 2 up to 48, then x1.1) gives about 94% real tokens on Multi30k
+de-en with 4096 tokens per batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from pipelines.corpora import ParallelCorpus, filter_long_pairs
+from pipelines.corpora import ParallelCorpus, log_dropped
 from pipelines.tokenizer import BOS_ID, EOS_ID, PAD_ID, SubwordTokenizer
 
-__all__ = ["default_bucket_boundaries", "make_batches", "padding_efficiency"]
+__all__ = [
+    "StreamPosition",
+    "check_budget",
+    "chunk_stream",
+    "default_bucket_boundaries",
+    "make_batches",
+    "padding_efficiency",
+    "plan_batches",
+    "position_histogram",
+    "tokenize_pairs",
+]
 
 _LOG = logging.getLogger("pipelines")
-_TOKENIZE_CHUNK = 1024  # sentences tokenized per op call: amortises per-call overhead
-_LENGTH_PASS_CHUNK = 8192
-_BATCH_SHUFFLE_BUFFER = 64  # batches: mixes lengths; small, as it fills before the first batch
-_BATCH_SEED_OFFSET = 1_000_003  # keeps the batch-order seed apart from the pair-order seed
+_TOKENIZE_CHUNK = 8192  # sentences tokenized per op call: amortises per-call overhead
+_CHUNK_SEED_STRIDE = 1_000_003  # keeps the seeds of chunks, epochs and batch orders apart
 
 
 def default_bucket_boundaries(max_length: int) -> list[int]:
@@ -61,181 +75,17 @@ def default_bucket_boundaries(max_length: int) -> list[int]:
     return [*boundaries, max_length]
 
 
-def make_batches(
-    corpus: ParallelCorpus,
-    tokenizer: SubwordTokenizer,
-    *,
-    tokens_per_batch: int = 4096,
-    max_length: int = 128,
-    shuffle: bool = True,
-    seed: int = 0,
-    repeat: bool = False,
-    input_context: tf.distribute.InputContext | None = None,
-    bucket_boundaries: Sequence[int] | None = None,
-) -> tf.data.Dataset:
-    """Batches of ``corpus`` for training or evaluating the Transformer.
-
-    Args:
-      corpus: the sentence pairs.
-      tokenizer: the shared subword tokenizer, applied inside the pipeline.
-      tokens_per_batch: global token budget of one batch: ``B * max(S, T)`` (padded
-        lengths, i.e. the larger of the two tensor widths) never exceeds it. Under
-        ``input_context`` each replica gets ``tokens_per_batch // num_replicas_in_sync``.
-      max_length: the longest sequence kept, in tensor positions (subword pieces + 1 for
-        EOS/BOS): pairs with more than ``max_length - 1`` pieces on either side are
-        dropped (and counted in a log line). ``S`` and ``T`` never exceed it.
-      shuffle: shuffle pairs (whole corpus) and batches; otherwise one epoch yields
-        batches in a fixed order.
-      seed: makes shuffling reproducible: a fresh pipeline with the same seed yields the
-        same batches in the same order; each further pass over the same dataset (epoch)
-        reshuffles into a different, equally reproducible order.
-      repeat: repeat forever (epochs reshuffled), for step-based training.
-      input_context: from ``strategy.distribute_datasets_from_function``; the pairs are
-        sharded by ``input_pipeline_id`` out of ``num_input_pipelines``.
-      bucket_boundaries: increasing bucket upper bounds (positions) at most
-        ``max_length``; ``max_length`` is appended if missing. Default:
-        :func:`default_bucket_boundaries`.
-
-    Returns:
-      A ``tf.data.Dataset`` of ``({"source": int32 [B, S], "target": int32 [B, T]},
-      labels int32 [B, T])``, deterministic for a given seed.
-
-    Raises:
-      ValueError: invalid arguments, or no pair short enough to keep.
-    """
-    num_replicas = input_context.num_replicas_in_sync if input_context is not None else 1
-    budget, boundaries = _check_arguments(
-        tokens_per_batch, max_length, num_replicas, bucket_boundaries
-    )
-
-    kept = filter_long_pairs(
-        corpus,
-        max_length,
-        length_fn=lambda texts: _piece_counts(tokenizer, texts) + 1,
-        unit="positions (subword pieces + EOS)",
-    )
-    if len(kept) == 0:
-        raise ValueError(
-            f"no pair of {corpus.origin} [{corpus.split}] fits max_length={max_length}; raise it"
-        )
-    sources = tf.constant(kept.sources, dtype=tf.string)
-    targets = tf.constant(kept.targets, dtype=tf.string)
-
-    dataset = tf.data.Dataset.range(len(kept))
-    if input_context is not None:
-        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    if shuffle:
-        # Shuffling int64 indices, not strings, keeps a full-corpus buffer cheap.
-        dataset = dataset.shuffle(len(kept), seed=seed, reshuffle_each_iteration=True)
-    if repeat:
-        dataset = dataset.repeat()
-
-    def tokenize_chunk(indices: tf.Tensor):
-        pieces_src = tokenizer.tokenize(tf.gather(sources, indices))
-        pieces_tgt = tokenizer.tokenize(tf.gather(targets, indices))
-        rows = tf.shape(indices, out_type=tf.int64)[:1]
-        eos = tf.RaggedTensor.from_tensor(tf.fill(tf.concat([rows, [1]], 0), EOS_ID))
-        bos = tf.RaggedTensor.from_tensor(tf.fill(tf.concat([rows, [1]], 0), BOS_ID))
-        return (
-            tf.concat([pieces_src, eos], axis=1),
-            tf.concat([bos, pieces_tgt], axis=1),
-            tf.concat([pieces_tgt, eos], axis=1),
-        )
-
-    dataset = dataset.batch(_TOKENIZE_CHUNK)
-    dataset = dataset.map(tokenize_chunk, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-    # Rows of an unbatched ragged tensor keep a ragged spec (ragged_rank 0) that
-    # padded_batch rejects; inside a map they arrive as plain tensors, so pass them through.
-    dataset = dataset.map(lambda *rows: rows)
-
-    boundary_table = tf.constant(boundaries, dtype=tf.int64)
-    batch_size_table = tf.constant([budget // b for b in boundaries], dtype=tf.int64)
-
-    def bucket_of(length: tf.Tensor) -> tf.Tensor:
-        return tf.searchsorted(
-            boundary_table, tf.reshape(tf.cast(length, tf.int64), [1]), out_type=tf.int64
-        )[0]
-
-    def key_of(source, target_in, labels):
-        del labels
-        return bucket_of(tf.maximum(tf.size(source), tf.size(target_in)))
-
-    def batch_window(key, window):
-        return window.padded_batch(
-            batch_size_table[key], padded_shapes=([None], [None], [None]), padding_values=PAD_ID
-        )
-
-    dataset = dataset.group_by_window(
-        key_func=key_of,
-        reduce_func=batch_window,
-        window_size_func=lambda key: batch_size_table[key],
-    )
-    if shuffle:
-        dataset = dataset.shuffle(
-            _BATCH_SHUFFLE_BUFFER, seed=seed + _BATCH_SEED_OFFSET, reshuffle_each_iteration=True
-        )
-
-    def pad_to_boundary(batch: tf.Tensor) -> tf.Tensor:
-        width = tf.shape(batch, out_type=tf.int64)[1]
-        extra = boundary_table[bucket_of(width)] - width
-        return tf.pad(batch, [[0, 0], [0, extra]], constant_values=PAD_ID)
-
-    def to_model_format(source, target_in, labels):
-        return {"source": pad_to_boundary(source), "target": pad_to_boundary(target_in)}, (
-            pad_to_boundary(labels)
-        )
-
-    dataset = dataset.map(to_model_format, num_parallel_calls=tf.data.AUTOTUNE)
-    options = tf.data.Options()
-    options.deterministic = True
-    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
-
-
-def padding_efficiency(dataset: tf.data.Dataset, max_batches: int | None = None) -> float:
-    """Share of real (non-PAD) tokens among all token slots of source and target.
-
-    Args:
-      dataset: batches in the :func:`make_batches` format.
-      max_batches: look at the first batches only; required for an infinite dataset.
-
-    Returns:
-      ``non_pad(source) + non_pad(target)`` over ``size(source) + size(target)``.
-    """
-    if max_batches is None:
-        if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-            raise ValueError("dataset is infinite (repeat=True): pass max_batches")
-    else:
-        if max_batches < 1:
-            raise ValueError(f"max_batches must be positive, got {max_batches}")
-        dataset = dataset.take(max_batches)
-    real = slots = 0
-    for features, _ in dataset:
-        for name in ("source", "target"):
-            ids = features[name].numpy()
-            real += int(np.count_nonzero(ids != PAD_ID))
-            slots += ids.size
-    if slots == 0:
-        raise ValueError("dataset yielded no tokens")
-    return real / slots
-
-
-def _piece_counts(tokenizer: SubwordTokenizer, texts: Sequence[str]) -> np.ndarray:
-    counts = [
-        tokenizer.tokenize(tf.constant(texts[start : start + _LENGTH_PASS_CHUNK], tf.string))
-        .row_lengths()
-        .numpy()
-        for start in range(0, len(texts), _LENGTH_PASS_CHUNK)
-    ]
-    return np.concatenate(counts) if counts else np.zeros([0], np.int64)
-
-
-def _check_arguments(
+def check_budget(
     tokens_per_batch: int,
     max_length: int,
     num_replicas: int,
-    bucket_boundaries: Sequence[int] | None,
+    bucket_boundaries: Sequence[int] | None = None,
 ) -> tuple[int, list[int]]:
-    """Validate the arguments; return the per-replica token budget and the boundaries."""
+    """Validate batching arguments; return the per-replica token budget and the boundaries.
+
+    Raises:
+      ValueError: naming the argument and the smallest valid value where there is one.
+    """
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length must be an int >= 2 (a piece and EOS), got {max_length!r}")
     if not isinstance(tokens_per_batch, int) or tokens_per_batch < 1:
@@ -270,3 +120,316 @@ def _check_arguments(
     if boundaries[-1] < max_length:
         boundaries.append(max_length)
     return budget, boundaries
+
+
+def position_histogram(source_pieces: np.ndarray, target_pieces: np.ndarray,
+                       max_length: int) -> np.ndarray:
+    """Counts of pairs by length in positions, ``max(pieces) + 1``: int64 ``[max_length + 1]``.
+
+    Pairs longer than ``max_length`` positions are not counted.
+    """
+    positions = np.maximum(source_pieces, target_pieces).astype(np.int64) + 1
+    return np.bincount(positions[positions <= max_length], minlength=max_length + 1)
+
+
+def plan_batches(histogram: np.ndarray, boundaries: Sequence[int], budget: int) -> np.ndarray:
+    """End offsets of a chunk's batches, its pairs sorted by bucket: int64 ``[batches]``.
+
+    Greedy: batches fill in bucket order; a batch holds at most ``budget // b`` pairs where
+    ``b`` is the boundary of its longest pair's bucket. Only the last batch of a chunk
+    (and a batch that reaches into a longer bucket) can hold fewer. Pairs beyond the
+    last boundary are not batched.
+
+    Args:
+      histogram: pairs per length in positions (:func:`position_histogram`).
+      boundaries: increasing bucket upper bounds.
+      budget: tokens per batch (per replica).
+    """
+    histogram = np.asarray(histogram, dtype=np.int64)
+    edges = np.concatenate([[0], np.asarray(boundaries, dtype=np.int64)])
+    cumulative = np.concatenate([[0], np.cumsum(histogram)])
+    upper = np.minimum(edges + 1, len(histogram))
+    counts = np.diff(cumulative[upper])  # pairs with boundary[i-1] < length <= boundary[i]
+    ends: list[int] = []
+    position = open_size = 0
+    for count, boundary in zip(counts.tolist(), boundaries, strict=True):
+        if count == 0:
+            continue
+        capacity = budget // boundary
+        if open_size >= capacity:  # the open batch cannot take a longer pair: close it
+            ends.append(position)
+            open_size = 0
+        take = min(count, capacity - open_size)
+        position, open_size, count = position + take, open_size + take, count - take
+        if open_size < capacity:  # the bucket fitted into the open batch
+            continue
+        ends.append(position)
+        full, rest = divmod(count, capacity)
+        ends.extend(position + capacity * np.arange(1, full + 1))
+        position += capacity * full + rest
+        open_size = rest
+    if open_size:
+        ends.append(position)
+    return np.asarray(ends, dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPosition:
+    """Where a chunk stream starts: epoch, position in that epoch's chunk order, batches
+    to skip in that chunk. ``StreamPosition()`` is the beginning."""
+
+    epoch: int = 0
+    chunk: int = 0
+    batch: int = 0
+
+    @classmethod
+    def after(cls, batches: int, chunk_batches: Sequence[int], *, seed: int,
+              shuffle: bool = True) -> StreamPosition:
+        """The position after ``batches`` batches of a stream from the beginning.
+
+        Arithmetic on the chunks' batch counts: the cost does not grow with ``batches``.
+        """
+        per_epoch = int(np.sum(chunk_batches))
+        if per_epoch == 0:
+            raise ValueError("the stream has no batches")
+        epoch, rest = divmod(int(batches), per_epoch)
+        order = _chunk_order(len(chunk_batches), seed, epoch, shuffle).numpy()
+        for position, chunk in enumerate(order):
+            if rest < chunk_batches[chunk]:
+                return cls(epoch, position, rest)
+            rest -= int(chunk_batches[chunk])
+        raise AssertionError("unreachable: rest < per_epoch")
+
+
+def chunk_stream(
+    num_chunks: int,
+    load_chunk: Callable[[tf.Tensor], tuple[tf.RaggedTensor, tf.RaggedTensor]],
+    chunk_ends: Sequence[np.ndarray],
+    boundaries: Sequence[int],
+    *,
+    seed: int,
+    shuffle: bool,
+    repeat: bool,
+    start: StreamPosition = StreamPosition(),  # noqa: B008 (immutable)
+    epoch_seeds: tf.data.Dataset | None = None,
+) -> tf.data.Dataset:
+    """Batches of a sequence of chunks (see the module docstring).
+
+    Args:
+      num_chunks: how many chunks there are.
+      load_chunk: maps a chunk index (int64 scalar tensor) to its ``(source pieces,
+        target pieces)``, int32 RaggedTensors ``[n, (pieces)]``, without EOS/BOS.
+      chunk_ends: per chunk, :func:`plan_batches` of its histogram.
+      boundaries: the bucket boundaries used for ``chunk_ends``.
+      seed: seeds every shuffle (chunk order, pairs, batch order), per epoch.
+      shuffle: shuffle; otherwise chunks in order, pairs sorted by bucket, batches in order.
+      repeat: endless epochs; otherwise one.
+      start: the first batch (for resuming: :meth:`StreamPosition.after`).
+      epoch_seeds: optional int64 scalars to use as epoch numbers for shuffling instead
+        of ``start.epoch, start.epoch + 1, ...`` (with ``tf.data.Dataset.random`` each
+        pass over a finite dataset is reshuffled).
+
+    Returns:
+      ``({"source", "target"}, labels)`` batches as in the module docstring.
+    """
+    boundary_table = tf.constant(boundaries, dtype=tf.int64)
+    ends_table = tf.ragged.constant([np.asarray(e, np.int64) for e in chunk_ends],
+                                    dtype=tf.int64, ragged_rank=1)
+    if epoch_seeds is None:
+        epoch_seeds = tf.data.Dataset.counter(start.epoch) if repeat else (
+            tf.data.Dataset.from_tensors(tf.constant(start.epoch, tf.int64)))
+    elif not repeat:
+        epoch_seeds = epoch_seeds.take(1)
+
+    def chunks_of_epoch(epoch):
+        order = _chunk_order(num_chunks, seed, epoch, shuffle)
+        return tf.data.Dataset.from_tensor_slices(order).map(lambda chunk: (epoch, chunk))
+
+    items = epoch_seeds.flat_map(chunks_of_epoch).skip(start.chunk).enumerate()
+
+    def order_chunk(index, item):
+        epoch, chunk = item
+        source, target = load_chunk(chunk)
+        positions = tf.maximum(source.row_lengths(), target.row_lengths()) + 1
+        # Too-long pairs get key len(boundaries): they sort last, past every batch's end.
+        keys = tf.searchsorted(boundary_table, positions, side="left")
+        pairs = tf.shape(keys, out_type=tf.int64)[0]
+        ends = ends_table[chunk]
+        batches = tf.shape(ends, out_type=tf.int64)[0]
+        if shuffle:
+            chunk_seed = tf.stack([seed + _CHUNK_SEED_STRIDE * (chunk + 1), epoch])
+            shuffled = tf.random.experimental.stateless_shuffle(tf.range(pairs), chunk_seed)
+            order = tf.gather(shuffled, tf.argsort(tf.gather(keys, shuffled), stable=True))
+            batch_order = tf.random.experimental.stateless_shuffle(
+                tf.range(batches), chunk_seed + [0, _CHUNK_SEED_STRIDE])
+        else:
+            order = tf.argsort(keys, stable=True)
+            batch_order = tf.range(batches)
+        skip = tf.where(index == 0, tf.constant(start.batch, tf.int64), 0)
+        return (source.values, source.row_splits, target.values, target.row_splits,
+                tf.cast(order, tf.int64), ends, batch_order[skip:])
+
+    def batches_of_chunk(*chunk):
+        *tensors, ends, batch_order = chunk
+        starts = tf.concat([[0], ends[:-1]], axis=0)
+        ranges = tf.data.Dataset.from_tensor_slices(
+            (tf.gather(starts, batch_order), tf.gather(ends, batch_order)))
+        return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(tuple(tensors)).repeat(), ranges)
+
+    def assemble(tensors, batch_range):
+        source_values, source_splits, target_values, target_splits, order = tensors
+        rows = order[batch_range[0]:batch_range[1]]
+        source = tf.gather(tf.RaggedTensor.from_row_splits(source_values, source_splits,
+                                                           validate=False), rows)
+        target = tf.gather(tf.RaggedTensor.from_row_splits(target_values, target_splits,
+                                                           validate=False), rows)
+        count = tf.shape(rows, out_type=tf.int64)[:1]
+        eos = tf.RaggedTensor.from_tensor(tf.fill(tf.concat([count, [1]], 0), EOS_ID))
+        bos = tf.RaggedTensor.from_tensor(tf.fill(tf.concat([count, [1]], 0), BOS_ID))
+        source_in = tf.concat([source, eos], axis=1)
+        target_in = tf.concat([bos, target], axis=1)
+        labels = tf.concat([target, eos], axis=1)
+        return ({"source": _pad_to_boundary(source_in, boundary_table),
+                 "target": _pad_to_boundary(target_in, boundary_table)},
+                _pad_to_boundary(labels, boundary_table))
+
+    dataset = items.map(order_chunk, num_parallel_calls=2, deterministic=True)
+    dataset = dataset.flat_map(batches_of_chunk)
+    dataset = dataset.map(assemble, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if repeat:
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(
+            tf.data.INFINITE_CARDINALITY))
+    options = tf.data.Options()
+    options.deterministic = True
+    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def tokenize_pairs(tokenizer: SubwordTokenizer, sources: Sequence[str],
+                   targets: Sequence[str]) -> tuple[tf.RaggedTensor, tf.RaggedTensor]:
+    """Subword ids of both sides, eagerly, in large chunks: two int32 ``[n, (pieces)]``."""
+    def pieces(texts: Sequence[str]) -> tf.RaggedTensor:
+        parts = [tokenizer.tokenize(tf.constant(list(texts[i:i + _TOKENIZE_CHUNK]), tf.string))
+                 for i in range(0, len(texts), _TOKENIZE_CHUNK)]
+        if not parts:
+            return tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int32),
+                                                    tf.zeros([0], tf.int64))
+        return tf.concat(parts, axis=0)
+
+    return pieces(sources), pieces(targets)
+
+
+def make_batches(
+    corpus: ParallelCorpus,
+    tokenizer: SubwordTokenizer,
+    *,
+    tokens_per_batch: int = 4096,
+    max_length: int = 128,
+    shuffle: bool = True,
+    seed: int = 0,
+    repeat: bool = False,
+    input_context: tf.distribute.InputContext | None = None,
+    bucket_boundaries: Sequence[int] | None = None,
+) -> tf.data.Dataset:
+    """Batches of an in-memory ``corpus`` (validation, tests, notebooks).
+
+    The corpus is tokenized once, here; the pipeline then only shuffles, batches and pads.
+    For a large training corpus, prepare it once instead (:mod:`pipelines.prepared`).
+
+    Args:
+      corpus: the sentence pairs.
+      tokenizer: the shared subword tokenizer.
+      tokens_per_batch: global token budget of one batch: ``B * max(S, T)`` (padded
+        lengths, i.e. the larger of the two tensor widths) never exceeds it. Under
+        ``input_context`` each replica gets ``tokens_per_batch // num_replicas_in_sync``.
+      max_length: the longest sequence kept, in tensor positions (subword pieces + 1 for
+        EOS/BOS): pairs with more than ``max_length - 1`` pieces on either side are
+        dropped (and counted in a log line). ``S`` and ``T`` never exceed it.
+      shuffle: shuffle pairs and batches; otherwise one epoch yields batches in a fixed
+        order (by length).
+      seed: makes shuffling reproducible: a fresh pipeline with the same seed yields the
+        same batches in the same order; each further pass over the same dataset (epoch)
+        reshuffles into a different, equally reproducible order.
+      repeat: repeat forever (epochs reshuffled), for step-based training.
+      input_context: from ``strategy.distribute_datasets_from_function``; the pairs are
+        sharded by ``input_pipeline_id`` out of ``num_input_pipelines``.
+      bucket_boundaries: increasing bucket upper bounds (positions) at most
+        ``max_length``; ``max_length`` is appended if missing. Default:
+        :func:`default_bucket_boundaries`.
+
+    Returns:
+      A ``tf.data.Dataset`` of ``({"source": int32 [B, S], "target": int32 [B, T]},
+      labels int32 [B, T])``, deterministic for a given seed.
+
+    Raises:
+      ValueError: invalid arguments, or no pair short enough to keep.
+    """
+    num_replicas = input_context.num_replicas_in_sync if input_context is not None else 1
+    budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
+                                      bucket_boundaries)
+    sources, targets = corpus.sources, corpus.targets
+    if input_context is not None and input_context.num_input_pipelines > 1:
+        step, first = input_context.num_input_pipelines, input_context.input_pipeline_id
+        sources, targets = sources[first::step], targets[first::step]
+    source, target = tokenize_pairs(tokenizer, sources, targets)
+    source_pieces, target_pieces = source.row_lengths().numpy(), target.row_lengths().numpy()
+    keep = np.maximum(source_pieces, target_pieces) + 1 <= max_length
+    log_dropped(f"{corpus.origin} [{corpus.split}] {corpus.src_lang}-{corpus.tgt_lang}",
+                int(keep.sum()), len(keep), max_length, "positions (subword pieces + EOS)")
+    if not keep.any():
+        raise ValueError(
+            f"no pair of {corpus.origin} [{corpus.split}] fits max_length={max_length}; raise it"
+        )
+    if not keep.all():
+        source, target = tf.ragged.boolean_mask(source, keep), tf.ragged.boolean_mask(target, keep)
+    ends = plan_batches(position_histogram(source_pieces[keep], target_pieces[keep], max_length),
+                        boundaries, budget)
+    chunk = (source, target)
+    epoch_seeds = (tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+                   if shuffle else None)
+    return chunk_stream(1, lambda index: chunk, [ends], boundaries, seed=seed, shuffle=shuffle,
+                        repeat=repeat, epoch_seeds=epoch_seeds)
+
+
+def padding_efficiency(dataset: tf.data.Dataset, max_batches: int | None = None) -> float:
+    """Share of real (non-PAD) tokens among all token slots of source and target.
+
+    Args:
+      dataset: batches in the :func:`make_batches` format.
+      max_batches: look at the first batches only; required for an infinite dataset.
+
+    Returns:
+      ``non_pad(source) + non_pad(target)`` over ``size(source) + size(target)``.
+    """
+    if max_batches is None:
+        if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise ValueError("dataset is infinite (repeat=True): pass max_batches")
+    else:
+        if max_batches < 1:
+            raise ValueError(f"max_batches must be positive, got {max_batches}")
+        dataset = dataset.take(max_batches)
+    real = slots = 0
+    for features, _ in dataset:
+        for name in ("source", "target"):
+            ids = features[name].numpy()
+            real += int(np.count_nonzero(ids != PAD_ID))
+            slots += ids.size
+    if slots == 0:
+        raise ValueError("dataset yielded no tokens")
+    return real / slots
+
+
+def _chunk_order(num_chunks: int, seed: int, epoch, shuffle: bool) -> tf.Tensor:
+    """The order of the chunks in ``epoch``: int64 ``[num_chunks]`` (same eagerly and in graphs)."""
+    chunks = tf.range(num_chunks, dtype=tf.int64)
+    if not shuffle:
+        return chunks
+    epoch = tf.cast(epoch, tf.int64)
+    return tf.random.experimental.stateless_shuffle(chunks, tf.stack([tf.constant(seed, tf.int64),
+                                                                      epoch]))
+
+
+def _pad_to_boundary(rows: tf.RaggedTensor, boundary_table: tf.Tensor) -> tf.Tensor:
+    """Dense ``[B, b]`` with ``b`` the smallest boundary >= the longest row, PAD-filled."""
+    longest = tf.reduce_max(rows.row_lengths())
+    width = boundary_table[tf.searchsorted(boundary_table, tf.reshape(longest, [1]))[0]]
+    return rows.to_tensor(default_value=PAD_ID, shape=tf.stack([rows.nrows(), width]))

@@ -1,50 +1,51 @@
-"""Parallel corpora: local ``{split}.{lang}[.gz]`` folders and tensorflow-datasets.
+"""Parallel corpora: local ``{split}.{lang}[.gz]`` folders and tensorflow-datasets, as streams.
 
-``load_corpus`` reads a whole split into memory and validates it fully, raising one
-:class:`CorpusError` per problem (the file, the 1-based line or example number, and how
-to fix it). Over-long pairs are only ever removed by :func:`filter_long_pairs`, which
-counts what it drops in a log line (logger ``"pipelines"``).
+:func:`open_corpus` resolves one split (folder, files, languages, tfds builder) without
+reading it and returns a :class:`CorpusSplit`, whose :meth:`~CorpusSplit.pairs` streams
+validated sentence pairs: a corpus of any size is checked in one pass and constant memory.
+Every problem becomes one :class:`CorpusError` naming the file (or dataset), the 1-based
+line or example number, and how to fix it. :func:`scan_corpus` is that one pass for a
+training split: pair count, content fingerprint and a bounded, seeded sample (for the
+tokenizer). :func:`load_corpus` holds a small split (validation, test) in memory as a
+:class:`ParallelCorpus`. Over-long pairs are only ever removed by
+:func:`filter_long_pairs`, which counts what it drops in a log line (logger ``"pipelines"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
-from pipelines import multi30k_tfds  # noqa: F401  (registers the "multi30k" tfds builder)
-from pipelines.textfiles import (
-    CorpusError,
-    find_parallel_files,
-    read_aligned,
-    validate_aligned,
-)
+from pipelines import tfds_corpora
+from pipelines.textfiles import CorpusError, find_parallel_files, iter_aligned, iter_text_lines
 
 __all__ = [
     "CorpusError",
+    "CorpusScan",
+    "CorpusSplit",
     "ParallelCorpus",
     "available_splits",
     "corpus_fingerprint",
     "filter_long_pairs",
     "load_corpus",
+    "open_corpus",
+    "scan_corpus",
 ]
 
 _LOG = logging.getLogger("pipelines")
-TFDS_PREFIX = "tfds:"
-# Interchangeable split names, in order of preference when the requested one is absent.
-_SPLIT_ALIASES = (
-    ("validation", "val", "valid", "dev"),
-    ("test", "test_2016_flickr"),
-)
-_TFDS_READ_BATCH = 8192
+TFDS_PREFIX = tfds_corpora.TFDS_PREFIX
+_FINGERPRINT_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,81 @@ class ParallelCorpus:
         )
 
 
-def load_corpus(
+@dataclasses.dataclass(frozen=True)
+class CorpusSplit:
+    """One split of a parallel corpus, resolved but not read: :meth:`pairs` streams it.
+
+    Made by :func:`open_corpus`. ``files`` holds the source and target file of a local
+    split; ``tfds`` the tensorflow-datasets reader of a tfds split.
+    """
+
+    origin: str
+    split: str
+    src_lang: str
+    tgt_lang: str
+    files: tuple[Path, Path] | None = None
+    tfds: tfds_corpora.TfdsSplit | None = None
+
+    def pairs(self) -> Iterator[tuple[str, str]]:
+        """Validated ``(source, target)`` pairs in corpus order, streamed.
+
+        Whitespace around each sentence is stripped; pairs blank on both sides are
+        skipped (and counted in a warning). Raises :class:`CorpusError` while iterating,
+        at the first problem.
+        """
+        if self.files is not None:
+            paths = dict(zip((self.src_lang, self.tgt_lang), self.files, strict=True))
+            columns = {lang: iter_text_lines(path) for lang, path in paths.items()}
+            names = {lang: str(path) for lang, path in paths.items()}
+            yield from iter_aligned(columns, names)  # type: ignore[misc]
+        else:
+            assert self.tfds is not None
+            yield from self.tfds.pairs()
+
+    def load(self) -> ParallelCorpus:
+        """The whole split in memory (for small splits: validation, test)."""
+        sources, targets = [], []
+        for source, target in self.pairs():
+            sources.append(source)
+            targets.append(target)
+        _LOG.info("%s [%s]: loaded %d %s-%s pairs", self.origin, self.split, len(sources),
+                  self.src_lang, self.tgt_lang)
+        return ParallelCorpus(sources, targets, self.src_lang, self.tgt_lang, self.split,
+                              self.origin)
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies the split's content cheaply, without reading it.
+
+        Local files: their resolved paths, sizes and modification times; tfds: dataset,
+        version and split. Caches of a prepared split record it, to notice a corpus that
+        changed since (a content fingerprint would mean reading the whole corpus).
+        """
+        base = {"origin": self.origin, "split": self.split, "src_lang": self.src_lang,
+                "tgt_lang": self.tgt_lang}
+        if self.files is not None:
+            stats = [path.stat() for path in self.files]
+            return {**base, "files": [
+                {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+                for path, stat in zip(self.files, stats, strict=True)]}
+        assert self.tfds is not None
+        return {**base, "tfds": self.tfds.identity()}
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusScan:
+    """What one validating pass over a training split found (:func:`scan_corpus`).
+
+    ``pairs`` counts the valid pairs, ``fingerprint`` is :func:`corpus_fingerprint` of
+    the whole split, ``sample`` holds up to ``sample_pairs`` of its pairs, in corpus order.
+    """
+
+    split: CorpusSplit
+    pairs: int
+    fingerprint: str
+    sample: ParallelCorpus
+
+
+def open_corpus(
     data: str | os.PathLike,
     split: str,
     src_lang: str,
@@ -90,8 +165,8 @@ def load_corpus(
     *,
     data_dir: str | None = None,
     manual_dir: str | None = None,
-) -> ParallelCorpus:
-    """Load and validate one split of a parallel corpus.
+) -> CorpusSplit:
+    """Resolve one split of a parallel corpus, without reading it.
 
     Args:
       data: a local folder holding ``{split}.{lang}`` or ``{split}.{lang}.gz`` files, or
@@ -106,57 +181,152 @@ def load_corpus(
       manual_dir: folder with manually downloaded files, for tfds builders that accept
         one; for ``tfds:multi30k`` a folder of the release files avoids the download.
 
-    Returns:
-      The validated :class:`ParallelCorpus`. Whitespace around each sentence is
-      stripped; the text itself is kept verbatim.
-
     Raises:
-      CorpusError: missing folder/file/split/language, empty file, invalid UTF-8,
-        mismatched line counts, an entry empty on one side only, unknown dataset.
+      CorpusError: missing folder/file/split/language, unknown dataset, a tfds dataset
+        that cannot be prepared.
     """
     data = os.fspath(data)
     if src_lang == tgt_lang:
         raise CorpusError(f"{data}: source and target language are both {src_lang!r}")
     if data.startswith(TFDS_PREFIX):
-        return _load_tfds(data[len(TFDS_PREFIX) :], split, src_lang, tgt_lang, data_dir, manual_dir)
-    return _load_folder(Path(data), split, src_lang, tgt_lang)
+        reader = tfds_corpora.open_split(data[len(TFDS_PREFIX):], split, src_lang, tgt_lang,
+                                         data_dir, manual_dir)
+        return CorpusSplit(reader.origin, reader.split, src_lang, tgt_lang, tfds=reader)
+    folder = Path(data)
+    index = find_parallel_files(folder)
+    available = sorted(name for name, langs in index.items() if len(langs) >= 2)
+    try:
+        name = tfds_corpora.resolve_split(split, sorted(index), str(folder))
+    except CorpusError:
+        raise CorpusError(
+            f"{folder}: no split {split!r} (no {split}.{src_lang}[.gz] / {split}.{tgt_lang}[.gz]); "
+            f"available splits: {', '.join(available) or 'none'}"
+        ) from None
+    langs = index[name]
+    for lang in (src_lang, tgt_lang):
+        if lang not in langs:
+            raise CorpusError(
+                f"{folder / f'{name}.{lang}'}[.gz]: missing; split {name!r} has languages "
+                f"{', '.join(sorted(langs))}: add the file or choose one of those languages"
+            )
+    return CorpusSplit(str(folder), name, src_lang, tgt_lang,
+                       files=(langs[src_lang], langs[tgt_lang]))
+
+
+def load_corpus(
+    data: str | os.PathLike,
+    split: str,
+    src_lang: str,
+    tgt_lang: str,
+    *,
+    data_dir: str | None = None,
+    manual_dir: str | None = None,
+) -> ParallelCorpus:
+    """Load and validate one (small) split into memory: ``open_corpus(...).load()``.
+
+    Arguments as :func:`open_corpus`. Whitespace around each sentence is stripped; the
+    text itself is kept verbatim. For a large training split, stream it instead
+    (:meth:`CorpusSplit.pairs`, :func:`scan_corpus`, :mod:`pipelines.prepared`).
+
+    Raises:
+      CorpusError: missing folder/file/split/language, empty file, invalid UTF-8,
+        mismatched line counts, an entry empty on one side only, unknown dataset.
+    """
+    return open_corpus(data, split, src_lang, tgt_lang, data_dir=data_dir,
+                       manual_dir=manual_dir).load()
 
 
 def available_splits(data: str | os.PathLike, *, data_dir: str | None = None) -> list[str]:
-    """Sorted split names of ``data`` (same forms as :func:`load_corpus`).
+    """Sorted split names of ``data`` (same forms as :func:`open_corpus`).
 
     For a folder: every split with files in two or more languages. For tfds: the splits
     tfds knows, which may be empty until the dataset has been prepared in ``data_dir``.
     """
     data = os.fspath(data)
     if data.startswith(TFDS_PREFIX):
-        builder = _tfds_builder(data[len(TFDS_PREFIX) :], data_dir)
-        return sorted(_known_tfds_splits(builder))
+        return tfds_corpora.available_splits(data[len(TFDS_PREFIX):], data_dir)
     index = find_parallel_files(data)
     return sorted(split for split, langs in index.items() if len(langs) >= 2)
 
 
-def corpus_fingerprint(corpus: ParallelCorpus) -> str:
-    """A stable SHA-256 hex digest of the languages and every pair's text, in order.
+class _Fingerprint:
+    """SHA-256 over the languages and every pair's text, in order, fed one pair at a time."""
 
-    Independent of where the corpus was read from, so moving the data does not
-    invalidate caches keyed by it (e.g. the tokenizer's).
-    """
-    digest = hashlib.sha256()
-    header = {
-        "format": 1,
-        "src_lang": corpus.src_lang,
-        "tgt_lang": corpus.tgt_lang,
-        "pairs": len(corpus),
-    }
-    digest.update(json.dumps(header, sort_keys=True).encode())
-    for source, target in zip(corpus.sources, corpus.targets, strict=True):
+    def __init__(self, src_lang: str, tgt_lang: str):
+        self._digest = hashlib.sha256()
+        header = {"format": _FINGERPRINT_FORMAT, "src_lang": src_lang, "tgt_lang": tgt_lang}
+        self._digest.update(json.dumps(header, sort_keys=True).encode())
+        self.pairs = 0
+
+    def add(self, source: str, target: str) -> None:
         for text in (source, target):
             encoded = text.encode("utf-8")
             # Length prefixes keep ("ab", "c") and ("a", "bc") apart.
-            digest.update(len(encoded).to_bytes(8, "little"))
-            digest.update(encoded)
-    return digest.hexdigest()
+            self._digest.update(len(encoded).to_bytes(8, "little"))
+            self._digest.update(encoded)
+        self.pairs += 1
+
+    def hexdigest(self) -> str:
+        final = self._digest.copy()
+        final.update(self.pairs.to_bytes(8, "little"))
+        return final.hexdigest()
+
+
+def corpus_fingerprint(corpus: ParallelCorpus | CorpusSplit) -> str:
+    """A stable SHA-256 hex digest of the languages and every pair's text, in order.
+
+    Independent of where the corpus was read from, so moving the data does not
+    invalidate caches keyed by it. A :class:`CorpusSplit` is streamed (one pass).
+    """
+    fingerprint = _Fingerprint(corpus.src_lang, corpus.tgt_lang)
+    pairs: Iterable[tuple[str, str]] = (
+        corpus.pairs() if isinstance(corpus, CorpusSplit)
+        else zip(corpus.sources, corpus.targets, strict=True)
+    )
+    for source, target in pairs:
+        fingerprint.add(source, target)
+    return fingerprint.hexdigest()
+
+
+def scan_corpus(split: CorpusSplit, *, sample_pairs: int, seed: int = 0) -> CorpusScan:
+    """Validate a training split in one streaming pass; count, fingerprint and sample it.
+
+    The sample is a uniform reservoir sample of ``sample_pairs`` pairs (all pairs when
+    the split is smaller), seeded by ``seed`` and returned in corpus order, so the same
+    corpus and seed always give the same sample. Memory is bounded by the sample.
+
+    Raises:
+      CorpusError: at the first problem with the corpus (see :meth:`CorpusSplit.pairs`).
+      ValueError: ``sample_pairs`` < 1, or a split with no pair.
+    """
+    if sample_pairs < 1:
+        raise ValueError(f"sample_pairs must be positive, got {sample_pairs}")
+    fingerprint = _Fingerprint(split.src_lang, split.tgt_lang)
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str, str]] = []
+    for index, (source, target) in enumerate(split.pairs()):
+        fingerprint.add(source, target)
+        if index < sample_pairs:
+            reservoir.append((index, source, target))
+        else:
+            slot = rng.randrange(index + 1)
+            if slot < sample_pairs:
+                reservoir[slot] = (index, source, target)
+    if fingerprint.pairs == 0:
+        raise CorpusError(f"{split.origin} [{split.split}]: no sentence pairs")
+    reservoir.sort()
+    sample = ParallelCorpus([s for _, s, _ in reservoir], [t for _, _, t in reservoir],
+                            split.src_lang, split.tgt_lang, split.split, split.origin)
+    _LOG.info("%s [%s]: %d %s-%s pairs validated, %d sampled", split.origin, split.split,
+              fingerprint.pairs, split.src_lang, split.tgt_lang, len(sample))
+    return CorpusScan(split, fingerprint.pairs, fingerprint.hexdigest(), sample)
+
+
+def batched_pairs(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[tuple[list, list]]:
+    """``(sources, targets)`` lists of up to ``size`` pairs from a pair stream."""
+    iterator = iter(pairs)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield [s for s, _ in chunk], [t for _, t in chunk]
 
 
 def filter_long_pairs(
@@ -186,21 +356,9 @@ def filter_long_pairs(
     target_lengths = np.asarray(length_fn(corpus.targets), dtype=np.int64)
     keep = (source_lengths <= max_length) & (target_lengths <= max_length)
     kept = int(keep.sum())
-    dropped = len(corpus) - kept
-    _LOG.info(
-        "%s [%s] %s-%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s",
-        corpus.origin,
-        corpus.split,
-        corpus.src_lang,
-        corpus.tgt_lang,
-        kept,
-        len(corpus),
-        dropped,
-        100.0 * dropped / max(len(corpus), 1),
-        max_length,
-        unit,
-    )
-    if dropped == 0:
+    log_dropped(f"{corpus.origin} [{corpus.split}] {corpus.src_lang}-{corpus.tgt_lang}",
+                kept, len(corpus), max_length, unit)
+    if kept == len(corpus):
         return corpus
     indices = np.flatnonzero(keep)
     return dataclasses.replace(
@@ -210,136 +368,12 @@ def filter_long_pairs(
     )
 
 
+def log_dropped(name: str, kept: int, total: int, max_length: int, unit: str) -> None:
+    """The one log line that counts pairs dropped for length."""
+    dropped = total - kept
+    _LOG.info("%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s", name, kept,
+              total, dropped, 100.0 * dropped / max(total, 1), max_length, unit)
+
+
 def _word_counts(texts: Sequence[str]) -> list[int]:
     return [len(text.split()) for text in texts]
-
-
-def _resolve_split(requested: str, available: Sequence[str], origin: str) -> str:
-    if requested in available:
-        return requested
-    for group in _SPLIT_ALIASES:
-        if requested in group:
-            for candidate in group:
-                if candidate in available:
-                    return candidate
-    if requested == "test":
-        tests = [name for name in available if name.startswith("test")]
-        if len(tests) == 1:
-            return tests[0]
-    raise CorpusError(
-        f"{origin}: no split {requested!r}; available splits: "
-        f"{', '.join(sorted(available)) or 'none'}"
-    )
-
-
-def _load_folder(folder: Path, split: str, src_lang: str, tgt_lang: str) -> ParallelCorpus:
-    index = find_parallel_files(folder)
-    available = sorted(name for name, langs in index.items() if len(langs) >= 2)
-    present = sorted(index)
-    try:
-        name = _resolve_split(split, present, str(folder))
-    except CorpusError:
-        raise CorpusError(
-            f"{folder}: no split {split!r} (no {split}.{src_lang}[.gz] / {split}.{tgt_lang}[.gz]); "
-            f"available splits: {', '.join(available) or 'none'}"
-        ) from None
-    langs = index[name]
-    for lang in (src_lang, tgt_lang):
-        if lang not in langs:
-            raise CorpusError(
-                f"{folder / f'{name}.{lang}'}[.gz]: missing; split {name!r} has languages "
-                f"{', '.join(sorted(langs))}: add the file or choose one of those languages"
-            )
-    columns = read_aligned({src_lang: langs[src_lang], tgt_lang: langs[tgt_lang]})
-    return _corpus_from_columns(columns, src_lang, tgt_lang, name, str(folder))
-
-
-def _tfds_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
-    try:
-        return tfds.builder(name, data_dir=data_dir)
-    except ValueError as error:  # DatasetNotFoundError and unknown configs are ValueErrors
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CorpusError(
-            f"{TFDS_PREFIX}{name}: not a tensorflow-datasets dataset ({first_line}); use "
-            "tfds:NAME or tfds:NAME/CONFIG as listed by tfds.list_builders()"
-        ) from None
-
-
-def _known_tfds_splits(builder: tfds.core.DatasetBuilder) -> list[str]:
-    try:
-        return [str(name) for name in builder.info.splits.keys()]
-    except Exception:  # mocked or unprepared infos may not list splits
-        return []
-
-
-def _load_tfds(
-    name: str,
-    split: str,
-    src_lang: str,
-    tgt_lang: str,
-    data_dir: str | None,
-    manual_dir: str | None,
-) -> ParallelCorpus:
-    origin = f"{TFDS_PREFIX}{name}"
-    if manual_dir is not None and not Path(manual_dir).is_dir():
-        # tfds would quietly fall back to downloading; a mistyped folder should fail here.
-        raise CorpusError(f"{manual_dir}: manual_dir does not exist (or is not a directory)")
-    builder = _tfds_builder(name, data_dir)
-    languages = list(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
-    for lang in (src_lang, tgt_lang):
-        if lang not in languages:
-            raise CorpusError(
-                f"{origin}: no language {lang!r}; its examples have {', '.join(languages) or 'no'} "
-                "fields: choose src_lang/tgt_lang among them (or another config, e.g. NAME/de-en)"
-            )
-    ours = builder.name == multi30k_tfds.Multi30k.name
-    config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=not ours)
-    try:
-        builder.download_and_prepare(download_config=config)
-    except CorpusError:
-        raise
-    except Exception as error:  # network, disk and tfds errors alike
-        hint = " (pass manual_dir=<folder with the release files>)" if ours else ""
-        raise CorpusError(
-            f"{origin}: could not download/prepare into {builder.data_dir}: "
-            f"{type(error).__name__}: {error}{hint}"
-        ) from error
-
-    tfds_split = split
-    if "[" not in split:  # a slicing expression is for tfds to interpret
-        known = _known_tfds_splits(builder)
-        if known:
-            tfds_split = _resolve_split(split, known, origin)
-        elif split in _SPLIT_ALIASES[0]:
-            tfds_split = "validation"  # the tfds convention, when tfds does not say
-    try:
-        dataset = builder.as_dataset(split=tfds_split, shuffle_files=False)
-    except (ValueError, KeyError) as error:
-        raise CorpusError(f"{origin}: cannot read split {tfds_split!r}: {error}") from None
-    dataset = dataset.map(lambda example: (example[src_lang], example[tgt_lang]))
-    columns: dict[str, list[str]] = {src_lang: [], tgt_lang: []}
-    for batch in tfds.as_numpy(dataset.batch(_TFDS_READ_BATCH)):
-        for lang, values in zip((src_lang, tgt_lang), batch, strict=True):
-            column = columns[lang]
-            for value in values:
-                try:
-                    column.append(value.decode("utf-8").strip())
-                except UnicodeDecodeError:
-                    raise CorpusError(
-                        f"{origin} [{tfds_split}] {lang!r}: example {len(column) + 1}: invalid "
-                        "UTF-8; fix or remove that example in the dataset source"
-                    ) from None
-    names = {lang: f"{origin} [{tfds_split}] {lang!r}" for lang in columns}
-    columns = validate_aligned(columns, names, unit="example")
-    return _corpus_from_columns(columns, src_lang, tgt_lang, tfds_split, origin)
-
-
-def _corpus_from_columns(
-    columns: dict[str, list[str]], src_lang: str, tgt_lang: str, split: str, origin: str
-) -> ParallelCorpus:
-    _LOG.info("%s [%s]: loaded %d %s-%s pairs", origin, split, len(columns[src_lang]),
-              src_lang, tgt_lang)
-    return ParallelCorpus(
-        sources=columns[src_lang], targets=columns[tgt_lang], src_lang=src_lang,
-        tgt_lang=tgt_lang, split=split, origin=origin,
-    )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from pipelines.textfiles import CorpusError, find_parallel_files, read_aligned
+from pipelines.textfiles import CorpusError, find_parallel_files, iter_aligned, iter_text_lines
 
 LANGUAGES = ("cs", "de", "en", "fr")
 # tfds split name -> release file split name
@@ -81,8 +81,9 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
         }
 
     def _generate_examples(self, paths: Mapping[str, Path]) -> Iterator[tuple[int, dict]]:
-        columns = read_aligned(paths)
-        for index, row in enumerate(zip(*(columns[lang] for lang in LANGUAGES), strict=True)):
+        rows = iter_aligned({lang: iter_text_lines(paths[lang]) for lang in LANGUAGES},
+                            {lang: str(paths[lang]) for lang in LANGUAGES})
+        for index, row in enumerate(rows):
             yield index, dict(zip(LANGUAGES, row, strict=True))
 
 

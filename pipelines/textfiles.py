@@ -1,8 +1,10 @@
-"""Reading and validating line-aligned parallel text files (``{split}.{lang}[.gz]``).
+"""Reading and validating line-aligned parallel text files (``{split}.{lang}[.gz]``), as streams.
 
 Every problem with the files becomes one :class:`CorpusError` that names the file, the
 1-based line number where there is one, and how to fix it, so that a bad corpus fails
-at load time instead of deep inside TensorFlow.
+at load time instead of deep inside TensorFlow. Files are read line by line (gzip is
+decompressed on the fly), so a corpus of any size is validated in one pass and
+constant memory.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import gzip
 import logging
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 _LOG = logging.getLogger("pipelines")
@@ -19,6 +21,7 @@ _LOG = logging.getLogger("pipelines")
 # Language suffixes look like "de", "eng", "pt_br" or "zh-cn". README.md still matches;
 # callers treat a split as parallel only when it has two or more languages.
 _LANG_RE = re.compile(r"^[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})?$")
+_READ_BUFFER = 1 << 20
 
 
 class CorpusError(ValueError):
@@ -59,8 +62,8 @@ def find_parallel_files(folder: str | Path) -> dict[str, dict[str, Path]]:
     return index
 
 
-def read_text_file(path: str | Path) -> list[str]:
-    """Read a UTF-8 text file (plain or gzip-compressed), one sentence per line.
+def iter_text_lines(path: str | Path) -> Iterator[str]:
+    """The sentences of a UTF-8 text file (plain or gzip-compressed), one per line, streamed.
 
     Lines are split at ``\\n`` only (other Unicode line breaks stay inside the text, so
     alignment cannot shift). A byte-order mark and the whitespace around each line (the
@@ -68,105 +71,131 @@ def read_text_file(path: str | Path) -> list[str]:
     are kept verbatim. Surrounding whitespace carries no content, and the in-graph
     sentencepiece decoder could not reproduce leading spaces anyway.
 
-    Raises :class:`CorpusError` for an unreadable or corrupt file, invalid UTF-8 (with
-    the 1-based line number) or an empty file.
+    Raises :class:`CorpusError` (while iterating) for an unreadable or corrupt file,
+    invalid UTF-8 (with the 1-based line number) or an empty file.
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
-        # Sniff the gzip magic rather than trust the name: downloads get hashed names.
-        if data[:2] == b"\x1f\x8b" or path.name.endswith(".gz"):
-            data = gzip.decompress(data)
+        handle = open(path, "rb", buffering=_READ_BUFFER)  # noqa: SIM115 (closed below)
     except FileNotFoundError:
         raise CorpusError(f"{path}: file not found") from None
+    except OSError as error:
+        raise CorpusError(f"{path}: cannot be read ({error})") from None
+    number = 0
+    lines = handle
+    try:
+        # Sniff the gzip magic rather than trust the name: downloads get hashed names.
+        if handle.peek(2)[:2] == b"\x1f\x8b" or path.name.endswith(".gz"):
+            lines = gzip.GzipFile(fileobj=handle, mode="rb")
+        for number, raw in enumerate(lines, start=1):  # noqa: B007 (number used after)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise CorpusError(
+                    f"{path}: line {number}: invalid UTF-8 (byte 0x{raw[error.start]:02x} at byte "
+                    f"{error.start + 1} of the line); the corpus must be UTF-8: convert the file "
+                    "(e.g. `iconv -f LATIN1 -t UTF-8`) or fix that line"
+                ) from None
+            if number == 1:
+                text = text.removeprefix("\ufeff")
+            yield text.strip()
     except (gzip.BadGzipFile, EOFError, zlib.error) as error:
         raise CorpusError(
             f"{path}: not a valid gzip file ({error}); re-download it, or gunzip/rename it"
         ) from None
     except OSError as error:
         raise CorpusError(f"{path}: cannot be read ({error})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
-        raise CorpusError(
-            f"{path}: line {line}: invalid UTF-8 (byte 0x{data[error.start]:02x} at byte "
-            f"{column} of the line); the corpus must be UTF-8: convert the file (e.g. "
-            "`iconv -f LATIN1 -t UTF-8`) or fix that line"
-        ) from None
-    text = text.removeprefix("\ufeff")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start a new one
-    if not lines:
+    finally:
+        lines.close()
+        handle.close()
+    if number == 0:
         raise CorpusError(f"{path}: file is empty; it must hold one sentence per line")
-    return [line.strip() for line in lines]
+
+
+def read_text_file(path: str | Path) -> list[str]:
+    """All sentences of a text file (see :func:`iter_text_lines`), as a list."""
+    return list(iter_text_lines(path))
+
+
+def iter_aligned(
+    columns: Mapping[str, Iterable[str]], names: Mapping[str, str], *, unit: str = "line"
+) -> Iterator[tuple[str, ...]]:
+    """Rows of parallel columns, checked in one streaming pass.
+
+    ``columns`` maps a language to its sentences (any iterable, e.g.
+    :func:`iter_text_lines`), ``names`` maps it to the file (or dataset) name used in
+    messages, ``unit`` names an entry ("line", "example"). An entry counts as empty when
+    it is only whitespace. Rows empty on *every* side carry no pair: they are skipped and
+    counted in a warning at the end.
+
+    Yields:
+      One tuple per row, in the order of ``columns``.
+
+    Raises:
+      CorpusError: while iterating, for columns of different lengths (naming every
+        column's count) or an entry empty on some sides only (naming file and row).
+    """
+    langs = list(columns)
+    iterators = [iter(columns[lang]) for lang in langs]
+    blank = 0
+    first_blank = 0
+    index = 0
+    while True:
+        row = []
+        for iterator in iterators:
+            row.append(next(iterator, None))
+        if any(text is None for text in row):
+            if all(text is None for text in row):
+                break
+            counts = {
+                lang: index + (text is not None) + sum(1 for _ in iterator)
+                for lang, text, iterator in zip(langs, row, iterators, strict=True)
+            }
+            listing = ", ".join(
+                f"{names[lang]} has {counts[lang]} {unit}{'' if counts[lang] == 1 else 's'}"
+                for lang in langs
+            )
+            raise CorpusError(
+                f"{unit} counts differ: {listing}; they must be aligned ({unit} i of each is a "
+                "translation of the others): check for a truncated file or stray newlines"
+            )
+        index += 1
+        empty = [not text.strip() for text in row]
+        if any(empty):
+            if all(empty):
+                blank += 1
+                first_blank = first_blank or index
+                continue
+            empty_names = [names[lang] for lang, e in zip(langs, empty, strict=True) if e]
+            full_names = [names[lang] for lang, e in zip(langs, empty, strict=True) if not e]
+            raise CorpusError(
+                f"{', '.join(empty_names)}: {unit} {index} is empty but {unit} {index} of "
+                f"{', '.join(full_names)} is not; fill in the missing translation or delete "
+                f"that {unit} from every side"
+            )
+        yield tuple(row)
+    if blank:
+        _LOG.warning(
+            "%s: dropped %d %s(s) blank on every side (first: %s %d)",
+            ", ".join(names.values()), blank, unit, unit, first_blank,
+        )
 
 
 def validate_aligned(
     columns: Mapping[str, list[str]], names: Mapping[str, str], *, unit: str = "line"
 ) -> dict[str, list[str]]:
-    """Check parallel columns for equal length and one-sided empty entries.
-
-    ``columns`` maps a language to its sentences, ``names`` maps it to the file (or
-    dataset) name used in messages, ``unit`` names an entry ("line", "example"). An
-    entry counts as empty when it is only whitespace. Raises :class:`CorpusError` for
-    mismatched counts or an entry empty on some sides only. Entries empty on *every*
-    side carry no pair: they are dropped and counted in a warning.
-
-    Returns:
-      ``{lang: sentences}`` with those all-blank entries removed.
-    """
+    """:func:`iter_aligned` over in-memory columns; returns ``{lang: sentences}``."""
     langs = list(columns)
-    counts = {lang: len(columns[lang]) for lang in langs}
-    if len(set(counts.values())) > 1:
-        listing = ", ".join(
-            f"{names[lang]} has {counts[lang]} {unit}{'' if counts[lang] == 1 else 's'}"
-            for lang in langs
-        )
-        raise CorpusError(
-            f"{unit} counts differ: {listing}; they must be aligned ({unit} i of each is a "
-            "translation of the others): check for a truncated file or stray newlines"
-        )
-    blank: list[int] = []
-    for index, row in enumerate(zip(*(columns[lang] for lang in langs), strict=True)):
-        empty = [not text.strip() for text in row]
-        if all(empty):
-            blank.append(index)
-        elif any(empty):
-            empty_names = [
-                names[lang] for lang, is_empty in zip(langs, empty, strict=True) if is_empty
-            ]
-            full_names = [
-                names[lang] for lang, is_empty in zip(langs, empty, strict=True) if not is_empty
-            ]
-            raise CorpusError(
-                f"{', '.join(empty_names)}: {unit} {index + 1} is empty but {unit} {index + 1} of "
-                f"{', '.join(full_names)} is not; fill in the missing translation or delete "
-                f"that {unit} from every side"
-            )
-    if not blank:
-        return dict(columns)
-    _LOG.warning(
-        "%s: dropped %d %s(s) blank on every side (first: %s %d)",
-        ", ".join(names.values()),
-        len(blank),
-        unit,
-        unit,
-        blank[0] + 1,
-    )
-    drop = set(blank)
-    return {
-        lang: [text for i, text in enumerate(lines) if i not in drop]
-        for lang, lines in columns.items()
-    }
+    rows = list(iter_aligned(columns, names, unit=unit))
+    return {lang: [row[i] for row in rows] for i, lang in enumerate(langs)}
 
 
 def read_aligned(paths: Mapping[str, str | Path]) -> dict[str, list[str]]:
     """Read several line-aligned files, ``{lang: path}`` -> ``{lang: sentences}``.
 
-    All validation of :func:`read_text_file` and :func:`validate_aligned` applies.
+    All validation of :func:`iter_text_lines` and :func:`iter_aligned` applies.
     """
-    columns = {lang: read_text_file(path) for lang, path in paths.items()}
-    return validate_aligned(columns, {lang: str(path) for lang, path in paths.items()})
+    return validate_aligned(
+        {lang: iter_text_lines(path) for lang, path in paths.items()},  # type: ignore[misc]
+        {lang: str(path) for lang, path in paths.items()},
+    )

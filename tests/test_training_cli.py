@@ -97,7 +97,8 @@ def test_a_vocabulary_too_large_for_the_corpus_leaves_no_run_dir(tmp_path, capsy
     argv = ["--data", str(data), *TINY, "--vocab-size", "6000", "--out", str(out)]
     assert main(argv) == 2
     error = capsys.readouterr().err.strip()
-    assert error.startswith("error: tokenizer:") and len(error.splitlines()) == 1, error
+    assert error.startswith("error: preparing") and len(error.splitlines()) == 1, error
+    assert "sentencepiece training failed" in error
     assert not out.exists()
 
 

@@ -1,0 +1,434 @@
+"""A prepared training split: the shared tokenizer and the token ids of every pair, on disk.
+
+A corpus is prepared once (``python -m keras_transformer.prepare``, or by the first
+``train``): one validating pass counts, fingerprints and samples it; SentencePiece is
+trained on the sample; a second pass tokenizes every pair into shards. Training then
+reads the shards, never the text, so start-up and resume cost the same at any corpus
+size and any step. The directory is self-contained: prepare on one machine, copy it (or
+share its path), train on others.
+
+Layout::
+
+    DIR/manifest.json                 written last: what was prepared, how, and the shards
+    DIR/tokenizer/                    the SentencePiece model (pipelines.tokenizer)
+    DIR/shard-00000-of-00045.ids      token ids, pair after pair: source pieces, target pieces
+    DIR/shard-00000-of-00045.lengths  int32 [pairs, 2]: pieces of the source and the target
+
+Pairs go to a shard chosen at random (seeded), so every shard is a uniform sample of the
+corpus (no shard holds one domain of a concatenated corpus), and workers read whole
+shards (sharding by file). A directory is built under a hidden temporary name beside
+``DIR`` and renamed into place when complete: a killed preparation leaves no ``DIR``,
+only a temporary folder that the next preparation removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
+from pipelines.batching import StreamPosition, check_budget, chunk_stream, plan_batches
+from pipelines.corpora import CorpusScan, CorpusSplit, batched_pairs, log_dropped, scan_corpus
+from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
+
+__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "prepare_corpus",
+           "wait_for_prepared"]
+
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+FORMAT_VERSION = 1
+_ENCODE_BATCH = 4096  # pairs per tokenizer call while preparing
+_FLUSH_BYTES = 1 << 22  # per-shard write buffer
+_STAGING_PREFIX = ".tmp-prepare-"
+_LOG = logging.getLogger("pipelines")
+
+
+class PreparedError(ValueError):
+    """A prepared directory is missing, incomplete, damaged, or made with other settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCorpus:
+    """A complete prepared directory (see the module docstring); :meth:`load` opens one."""
+
+    directory: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> PreparedCorpus:
+        """Opens ``directory`` and checks that every shard file has its recorded size.
+
+        Raises:
+          PreparedError: no manifest (not prepared, or a preparation that did not finish),
+            an unreadable manifest, or a missing or truncated shard.
+        """
+        directory = Path(directory)
+        path = directory / MANIFEST_FILE
+        if not path.is_file():
+            raise PreparedError(f"{directory}: not a prepared corpus (no {MANIFEST_FILE}); "
+                                "prepare it with `python -m keras_transformer.prepare`")
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as error:
+            raise PreparedError(f"{path}: unreadable ({error}); prepare the corpus again") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise PreparedError(f"{path}: format {manifest.get('format_version')!r}, this version "
+                                f"reads {FORMAT_VERSION}; prepare the corpus again")
+        for shard in manifest["shards"]:
+            for kind in ("ids", "lengths"):
+                file = directory / shard[kind]
+                size = file.stat().st_size if file.is_file() else None
+                if size != shard[f"{kind}_bytes"]:
+                    raise PreparedError(
+                        f"{file}: {'missing' if size is None else f'{size} bytes'}, the manifest "
+                        f"says {shard[f'{kind}_bytes']}: the prepared corpus is damaged; "
+                        "prepare it again (or copy it again from where it was prepared)")
+        if not (directory / TOKENIZER_DIR).is_dir():
+            raise PreparedError(f"{directory / TOKENIZER_DIR}: missing; prepare the corpus again")
+        return cls(directory, manifest)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """How it was prepared: languages, vocab_size, max_length, tokenizer_sample, seed."""
+        return dict(self.manifest["settings"])
+
+    @property
+    def pairs(self) -> int:
+        """Pairs kept (those within max_length)."""
+        return int(self.manifest["pairs_kept"])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest["shards"])
+
+    def tokenizer(self) -> SubwordTokenizer:
+        return SubwordTokenizer.load(self.directory / TOKENIZER_DIR)
+
+    def check_settings(self, wanted: Mapping[str, Any]) -> None:
+        """Raises :class:`PreparedError` naming every setting that differs from ``wanted``."""
+        recorded = self.settings
+        differences = [f"{key}: prepared with {recorded.get(key)!r}, wanted {value!r}"
+                       for key, value in wanted.items() if recorded.get(key) != value]
+        if differences:
+            raise PreparedError(
+                f"{self.directory} was prepared differently ({'; '.join(differences)}); use "
+                "matching flags, another directory, or delete it to prepare again")
+
+    def check_source(self, split: CorpusSplit) -> None:
+        """Raises :class:`PreparedError` if ``split``'s files changed since preparation.
+
+        Only the same files (same resolved paths) are compared, by size and modification
+        time: a copy of the corpus elsewhere, or on another machine, is not judged.
+        """
+        recorded = self.manifest["corpus"]
+        current = split.identity()
+        for old, new in zip(recorded.get("files", []), current.get("files", []), strict=False):
+            if old["path"] == new["path"] and (old["bytes"], old["mtime_ns"]) != (
+                    new["bytes"], new["mtime_ns"]):
+                raise PreparedError(
+                    f"{new['path']} changed since {self.directory} was prepared from it; "
+                    "delete the prepared directory to prepare again, or restore the file")
+
+    def shard_batches(self, tokens_per_batch: int, max_length: int, num_replicas: int = 1,
+                      bucket_boundaries: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Per shard, the end offsets of its batches (:func:`pipelines.batching.plan_batches`)."""
+        budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
+                                          bucket_boundaries)
+        return [plan_batches(np.asarray(shard["histogram"][:max_length + 1]), boundaries, budget)
+                for shard in self.manifest["shards"]]
+
+    def batches(
+        self,
+        *,
+        tokens_per_batch: int,
+        max_length: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        repeat: bool = True,
+        input_context: tf.distribute.InputContext | None = None,
+        skip_batches: int = 0,
+        bucket_boundaries: Sequence[int] | None = None,
+    ) -> tf.data.Dataset:
+        """Token-budget batches of the prepared pairs (format of :mod:`pipelines.batching`).
+
+        Args:
+          tokens_per_batch: global token budget of one batch, split over the replicas of
+            ``input_context``.
+          max_length: longest pair kept, in positions; at most the prepared one (default).
+          seed: seeds the shuffling of each epoch.
+          shuffle, repeat: as :func:`pipelines.batching.make_batches`.
+          input_context: under ``distribute_datasets_from_function``; pipeline ``i`` of
+            ``n`` reads shards ``i, i + n, ...`` only (sharding by file).
+          skip_batches: start after this many batches of this pipeline's stream, at the
+            cost of reading one shard (no replay): how a resumed run continues.
+          bucket_boundaries: as :func:`pipelines.batching.make_batches`.
+
+        Raises:
+          PreparedError: fewer shards than input pipelines, or a max_length above the
+            prepared one.
+          ValueError: invalid budget arguments.
+        """
+        prepared_length = int(self.settings["max_length"])
+        max_length = prepared_length if max_length is None else max_length
+        if max_length > prepared_length:
+            raise PreparedError(f"max_length {max_length} exceeds the {prepared_length} that "
+                                f"{self.directory} was prepared with; prepare it again with "
+                                f"--max-length {max_length}")
+        pipelines, pipeline = 1, 0
+        replicas = 1
+        if input_context is not None:
+            pipelines, pipeline = input_context.num_input_pipelines, input_context.input_pipeline_id
+            replicas = input_context.num_replicas_in_sync
+        if self.num_shards < pipelines:
+            raise PreparedError(
+                f"{self.directory} has {self.num_shards} shard(s) for {pipelines} input "
+                f"pipelines (workers); prepare it with --shards {pipelines} or more")
+        _, boundaries = check_budget(tokens_per_batch, max_length, replicas, bucket_boundaries)
+        all_ends = self.shard_batches(tokens_per_batch, max_length, replicas, bucket_boundaries)
+        mine = list(range(pipeline, self.num_shards, pipelines))
+        ends = [all_ends[i] for i in mine]
+        stream_seed = seed + 7919 * pipeline
+        start = StreamPosition.after(skip_batches, [len(e) for e in ends], seed=stream_seed,
+                                     shuffle=shuffle) if skip_batches else StreamPosition()
+        shards = [self.manifest["shards"][i] for i in mine]
+        ids_files = tf.constant([str(self.directory / s["ids"]) for s in shards])
+        lengths_files = tf.constant([str(self.directory / s["lengths"]) for s in shards])
+        id_dtype = tf.as_dtype(self.manifest["id_dtype"])
+
+        def load_shard(index: tf.Tensor) -> tuple[tf.RaggedTensor, tf.RaggedTensor]:
+            lengths = tf.io.decode_raw(tf.io.read_file(lengths_files[index]), tf.int32)
+            ids = tf.cast(tf.io.decode_raw(tf.io.read_file(ids_files[index]), id_dtype), tf.int32)
+            rows = tf.RaggedTensor.from_row_lengths(ids, tf.cast(lengths, tf.int64))
+            count = tf.shape(lengths, out_type=tf.int64)[0]
+            return (tf.gather(rows, tf.range(0, count, 2)), tf.gather(rows, tf.range(1, count, 2)))
+
+        return chunk_stream(len(mine), load_shard, ends, boundaries, seed=stream_seed,
+                            shuffle=shuffle, repeat=repeat, start=start)
+
+
+def prepare_corpus(
+    split: CorpusSplit,
+    directory: str | os.PathLike,
+    *,
+    vocab_size: int = 8000,
+    max_length: int = 128,
+    tokenizer_sample: int = DEFAULT_TOKENIZER_SAMPLE,
+    shard_pairs: int = DEFAULT_SHARD_PAIRS,
+    min_shards: int = 1,
+    seed: int = 0,
+    scan: CorpusScan | None = None,
+) -> PreparedCorpus:
+    """Prepare a training split into ``directory`` (see the module docstring).
+
+    Args:
+      split: the training split (:func:`pipelines.corpora.open_corpus`).
+      directory: where the prepared corpus goes; must not exist yet (or be empty).
+      vocab_size: SentencePiece vocabulary size (shared by both languages).
+      max_length: longest pair kept, in positions (pieces + EOS); longer pairs are
+        dropped and counted in a log line.
+      tokenizer_sample: pairs sampled (uniformly, seeded) to train SentencePiece on.
+      shard_pairs: about this many pairs per shard.
+      min_shards: at least this many shards (one per worker that will read them).
+      seed: seeds the sample, SentencePiece and the assignment of pairs to shards.
+      scan: the result of :func:`pipelines.corpora.scan_corpus` with the same
+        ``tokenizer_sample`` and ``seed``, if the split was already validated.
+
+    Returns:
+      The :class:`PreparedCorpus`.
+
+    Raises:
+      CorpusError: the corpus is invalid (before anything is written).
+      PreparedError: ``directory`` exists and is not empty.
+      ValueError: bad arguments, or SentencePiece cannot train on the sample.
+    """
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise PreparedError(f"{directory}: exists and is not an empty directory; choose "
+                            "another one or delete it")
+    if shard_pairs < 1 or min_shards < 1:
+        raise ValueError(f"shard_pairs and min_shards must be positive, got {shard_pairs}, "
+                         f"{min_shards}")
+    started = time.perf_counter()
+    if scan is None:
+        scan = scan_corpus(split, sample_pairs=tokenizer_sample, seed=seed)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(directory)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}{_STAGING_PREFIX}{os.getpid()}-",
+                                    dir=directory.parent))
+    try:
+        settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,
+                    "vocab_size": vocab_size, "max_length": max_length,
+                    "tokenizer_sample": tokenizer_sample, "seed": seed}
+        sample = scan.sample
+        tokenizer = train_tokenizer(
+            [*sample.sources, *sample.targets], staging / TOKENIZER_DIR, vocab_size=vocab_size,
+            seed=seed, extra_settings={"corpus_fingerprint": scan.fingerprint,
+                                       "sample_pairs": len(sample),
+                                       "corpus": f"{split.origin} [{split.split}] "
+                                                 f"{split.src_lang}-{split.tgt_lang}"})
+        num_shards = max(min_shards, math.ceil(scan.pairs / shard_pairs))
+        shards = _write_shards(split, tokenizer, staging, num_shards, max_length, seed)
+        kept = sum(shard["pairs"] for shard in shards)
+        log_dropped(f"{split.origin} [{split.split}] {split.src_lang}-{split.tgt_lang}", kept,
+                    scan.pairs, max_length, "positions (subword pieces + EOS)")
+        if kept == 0:
+            raise ValueError(f"no pair of {split.origin} [{split.split}] fits max_length="
+                             f"{max_length}; raise it")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "settings": settings,
+            "corpus": split.identity(),
+            "corpus_fingerprint": scan.fingerprint,
+            "pairs_total": scan.pairs,
+            "pairs_kept": kept,
+            "id_dtype": _id_dtype(tokenizer.vocab_size),
+            "tokenizer_vocab_size": tokenizer.vocab_size,
+            "shards": shards,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+        if directory.exists():
+            directory.rmdir()  # empty (checked above)
+        os.replace(staging, directory)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    _LOG.info("prepared %d pairs into %d shards in %s (%.0f s)", kept, num_shards, directory,
+              time.perf_counter() - started)
+    return PreparedCorpus.load(directory)
+
+
+def wait_for_prepared(directory: str | os.PathLike, timeout_seconds: float,
+                      poll_seconds: float = 2.0) -> PreparedCorpus:
+    """The prepared corpus at ``directory`` once another process has finished preparing it.
+
+    For workers of a multi-machine run, while the chief prepares into a shared path.
+
+    Raises:
+      PreparedError: not complete within ``timeout_seconds``.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    logged = 0.0
+    while not (Path(directory) / MANIFEST_FILE).is_file():
+        if time.monotonic() >= deadline:
+            raise PreparedError(f"{directory}: not prepared after {timeout_seconds:.0f} s; is the "
+                                "chief running, and is this path shared with it?")
+        if time.monotonic() - logged >= 60:
+            _LOG.info("waiting for the chief to prepare %s ...", directory)
+            logged = time.monotonic()
+        time.sleep(poll_seconds)
+    return PreparedCorpus.load(directory)
+
+
+def _id_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
+
+
+def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path,
+                  num_shards: int, max_length: int, seed: int) -> list[dict[str, Any]]:
+    """The tokenizing pass: every kept pair appended to a seeded-random shard."""
+    id_dtype = np.dtype(_id_dtype(tokenizer.vocab_size))
+    width = len(str(num_shards - 1))
+    names = [f"shard-{i:0{max(width, 5)}d}-of-{num_shards:0{max(width, 5)}d}"
+             for i in range(num_shards)]
+    buffers: list[dict[str, list[bytes]]] = [{"ids": [], "lengths": []} for _ in names]
+    buffered = np.zeros(num_shards, np.int64)
+    histograms = np.zeros((num_shards, max_length + 1), np.int64)
+    pairs = np.zeros(num_shards, np.int64)
+    tokens = np.zeros((num_shards, 2), np.int64)
+
+    def flush(shard: int) -> None:
+        for kind in ("ids", "lengths"):
+            with open(staging / f"{names[shard]}.{kind}", "ab") as handle:
+                handle.writelines(buffers[shard][kind])
+            buffers[shard][kind] = []
+        buffered[shard] = 0
+
+    for index, (values, splits, source_lengths, target_lengths) in enumerate(
+            _tokenized_batches(split, tokenizer)):
+        positions = np.maximum(source_lengths, target_lengths) + 1
+        keep = np.flatnonzero(positions <= max_length)
+        shard_of = np.random.default_rng([seed, index]).integers(num_shards, size=len(keep))
+        order = np.argsort(shard_of, kind="stable")
+        rows, shard_of = keep[order], shard_of[order]
+        # The kept pairs' ids, grouped by shard: one vectorised gather of ragged rows.
+        starts, sizes = splits[rows], splits[rows + 1] - splits[rows]
+        ids = values[np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+                     + np.arange(sizes.sum())].astype(id_dtype)
+        id_ends = np.cumsum(sizes)
+        lengths = np.stack([source_lengths[rows], target_lengths[rows]], axis=1).astype("<i4")
+        bounds = np.searchsorted(shard_of, np.arange(num_shards + 1))
+        for shard in np.flatnonzero(np.diff(bounds)):
+            first, last = bounds[shard], bounds[shard + 1]
+            id_first = id_ends[first - 1] if first else 0
+            ids_bytes = ids[id_first:id_ends[last - 1]].tobytes()
+            buffers[shard]["ids"].append(ids_bytes)
+            buffers[shard]["lengths"].append(lengths[first:last].tobytes())
+            buffered[shard] += len(ids_bytes)
+            histograms[shard] += np.bincount(positions[rows[first:last]],
+                                             minlength=max_length + 1)
+            pairs[shard] += last - first
+            tokens[shard] += lengths[first:last].sum(axis=0)
+            if buffered[shard] >= _FLUSH_BYTES:
+                flush(shard)
+    shards = []
+    for shard, name in enumerate(names):
+        flush(shard)
+        files = {kind: staging / f"{name}.{kind}" for kind in ("ids", "lengths")}
+        for file in files.values():
+            file.touch()  # an empty shard still has its (empty) files
+        shards.append({
+            "ids": files["ids"].name, "lengths": files["lengths"].name,
+            "ids_bytes": files["ids"].stat().st_size,
+            "lengths_bytes": files["lengths"].stat().st_size,
+            "pairs": int(pairs[shard]), "source_pieces": int(tokens[shard, 0]),
+            "target_pieces": int(tokens[shard, 1]), "histogram": histograms[shard].tolist(),
+        })
+    return shards
+
+
+def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer):
+    """Numpy batches ``(ids, row splits, source lengths, target lengths)``: row ``i`` of
+    ``ids`` is pair ``i``'s source pieces followed by its target pieces."""
+    dataset = tf.data.Dataset.from_generator(
+        lambda: batched_pairs(split.pairs(), _ENCODE_BATCH),
+        output_signature=(tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.string)))
+
+    def encode(sources, targets):
+        source, target = tokenizer.tokenize(sources), tokenizer.tokenize(targets)
+        pairs = tf.concat([source, target], axis=1)
+        return pairs.values, pairs.row_splits, source.row_lengths(), target.row_lengths()
+
+    dataset = dataset.map(encode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    yield from dataset.prefetch(4).as_numpy_iterator()
+
+
+def _remove_stale_staging(directory: Path) -> None:
+    """Removes temporary folders of killed preparations of ``directory`` (dead pids only)."""
+    prefix = f".{directory.name}{_STAGING_PREFIX}"
+    for stale in directory.parent.glob(f"{prefix}*"):
+        pid = stale.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
