@@ -44,16 +44,20 @@ def say(*parts: Any) -> None:
 def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
     """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects.
 
-    `CorpusError` becomes `UsageError`.
+    `CorpusError` becomes `UsageError`, except for a train split that is absent where the
+    data were prepared elsewhere (--prepared): its `UsageError` is kept as "train_error",
+    raised only if the data must be prepared.
     """
     from pipelines.corpora import CorpusError, load_corpus, open_corpus
 
-    corpora: dict[str, Any] = {}
+    corpora: dict[str, Any] = {"train": None}
     try:
         corpora["train"] = open_corpus(args.data, args.train_split, args.src, args.tgt,
                                        data_dir=args.data_dir)
     except CorpusError as error:
-        raise UsageError(f"train data: {error}") from None
+        if not args.prepared:
+            raise UsageError(f"train data: {error}") from None
+        corpora["train_error"] = UsageError(f"train data: {error}")
     splits = {"val": args.val_split}
     if args.test_split.lower() != "none":
         splits["test"] = args.test_split
@@ -77,11 +81,12 @@ def preparation_settings(args: argparse.Namespace) -> dict[str, Any]:
             "max_length": args.max_length, "tokenizer_sample": args.tokenizer_sample}
 
 
-def find_prepared(args: argparse.Namespace, train_split, will_overwrite: bool):
+def find_prepared(args: argparse.Namespace, corpora: dict[str, Any], will_overwrite: bool):
     """The complete, matching prepared data of this run, or None if they must be made.
 
     Raises:
-        UsageError: prepared data made with other settings, or from files changed since.
+        UsageError: prepared data made with other settings, or from files changed since, or
+            none and no train split to prepare them from.
     """
     from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError
 
@@ -93,11 +98,14 @@ def find_prepared(args: argparse.Namespace, train_split, will_overwrite: bool):
         if directory.exists() and any(directory.iterdir()):
             raise UsageError(f"--prepared {directory} exists but holds no prepared corpus "
                              f"({MANIFEST_FILE} is missing); delete it or choose another")
+        if "train_error" in corpora:
+            raise corpora["train_error"]
         return None
     try:
         prepared = PreparedCorpus.load(directory)
         prepared.check_settings(preparation_settings(args))
-        prepared.check_source(train_split)
+        if corpora["train"] is not None:
+            prepared.check_source(corpora["train"])
     except PreparedError as error:
         raise UsageError(str(error)) from None
     return prepared
@@ -136,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode = "finished" if finished and not args.overwrite else "worker"
         prepared = scan = None
         if mode != "finished":
-            prepared = find_prepared(args, corpora["train"], will_overwrite=mode == "fresh")
+            prepared = find_prepared(args, corpora, will_overwrite=mode == "fresh")
             if prepared is None and chief:
                 # The one validating pass over the training text, before anything exists.
                 from pipelines.corpora import CorpusError, scan_corpus
