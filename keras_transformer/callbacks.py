@@ -4,7 +4,7 @@ periodic and best checkpoints with early stopping, and a crash-safe backup for r
 Keras "epochs" in `train.py` are fixed intervals of `steps_per_epoch` optimizer steps over an
 endless, deterministic batch stream (not passes over the data), so the backup written at
 each interval's end is always on an interval boundary: a resumed run starts the next interval
-with the data stream skipped to exactly the restored step.
+with the data stream started at exactly the restored step (without replaying the steps before).
 """
 
 from __future__ import annotations

@@ -13,11 +13,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from keras_transformer.train_flags import HelpFormatter, positive_int
+from keras_transformer.train_flags import HelpFormatter, positive_int, validate_data_flags
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of `python -m keras_transformer.prepare`."""
     p = argparse.ArgumentParser(
         prog="python -m keras_transformer.prepare",
         description="Prepare a training split once (tokenizer + token shards) for "
@@ -47,28 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command; returns the exit status (2: bad flags or corpus, nothing created)."""
     args = build_parser().parse_args(argv)
-    if args.src == args.tgt:
-        print(f"error: --src and --tgt are both {args.src!r}", file=sys.stderr)
-        return 2
-    if args.vocab_size < 300:
-        print("error: --vocab-size must be >= 300 (4 special ids + 256 byte pieces + words)",
-              file=sys.stderr)
-        return 2
-    if args.max_length < 2:
-        print(f"error: --max-length must be >= 2, got {args.max_length}", file=sys.stderr)
-        return 2
+    from keras_transformer.run_data import log_pipelines_to_stdout
     from pipelines.corpora import open_corpus
     from pipelines.prepared import prepare_corpus
 
+    log_pipelines_to_stdout()
     try:
+        validate_data_flags(args)
         split = open_corpus(args.data, args.train_split, args.src, args.tgt,
                             data_dir=args.data_dir)
         prepared = prepare_corpus(
             split, args.out, vocab_size=args.vocab_size, max_length=args.max_length,
             tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
             min_shards=args.shards, seed=args.seed)
-    except ValueError as error:  # CorpusError, PreparedError, a vocabulary too large
+    except ValueError as error:  # UsageError, CorpusError, PreparedError, a vocabulary too large
         print(f"error: {error}", file=sys.stderr)
         return 2
     manifest = prepared.manifest

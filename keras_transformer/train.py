@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from keras_transformer import artifacts
+from keras_transformer import artifacts, run_data
 from keras_transformer.train_flags import (
     DEFAULT_MAX_STEPS,
-    PREPARE_WAIT_SECONDS,
     UsageError,
     build_parser,
     validate_args,
@@ -39,76 +38,6 @@ from keras_transformer.train_flags import (
 def say(*parts: Any) -> None:
     print(*parts, flush=True)
 
-
-
-def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
-    """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects.
-
-    `CorpusError` becomes `UsageError`, except for a train split that is absent where the
-    data were prepared elsewhere (--prepared): its `UsageError` is kept as "train_error",
-    raised only if the data must be prepared.
-    """
-    from pipelines.corpora import CorpusError, load_corpus, open_corpus
-
-    corpora: dict[str, Any] = {"train": None}
-    try:
-        corpora["train"] = open_corpus(args.data, args.train_split, args.src, args.tgt,
-                                       data_dir=args.data_dir)
-    except CorpusError as error:
-        if not args.prepared:
-            raise UsageError(f"train data: {error}") from None
-        corpora["train_error"] = UsageError(f"train data: {error}")
-    splits = {"val": args.val_split}
-    if args.test_split.lower() != "none":
-        splits["test"] = args.test_split
-    for role, split in splits.items():
-        try:
-            corpora[role] = load_corpus(args.data, split, args.src, args.tgt,
-                                        data_dir=args.data_dir)
-        except CorpusError as error:
-            raise UsageError(f"{role} data: {error}") from None
-    return corpora
-
-
-def prepared_dir(args: argparse.Namespace) -> Path:
-    """Where the prepared training data live: --prepared, else <run>/prepared."""
-    return Path(args.prepared) if args.prepared else Path(args.out) / artifacts.PREPARED_DIR
-
-
-def preparation_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings a prepared directory must have been made with to serve this run."""
-    return {"src_lang": args.src, "tgt_lang": args.tgt, "vocab_size": args.vocab_size,
-            "max_length": args.max_length, "tokenizer_sample": args.tokenizer_sample}
-
-
-def find_prepared(args: argparse.Namespace, corpora: dict[str, Any], will_overwrite: bool):
-    """The complete, matching prepared data of this run, or None if they must be made.
-
-    Raises:
-        UsageError: prepared data made with other settings, or from files changed since, or
-            none and no train split to prepare them from.
-    """
-    from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError
-
-    directory = prepared_dir(args)
-    inside_run = not args.prepared
-    if inside_run and will_overwrite:
-        return None  # deleted with the run directory
-    if not (directory / MANIFEST_FILE).is_file():
-        if directory.exists() and any(directory.iterdir()):
-            raise UsageError(f"--prepared {directory} exists but holds no prepared corpus "
-                             f"({MANIFEST_FILE} is missing); delete it or choose another")
-        if "train_error" in corpora:
-            raise corpora["train_error"]
-        return None
-    try:
-        prepared = PreparedCorpus.load(directory)
-        prepared.check_settings(preparation_settings(args))
-        if corpora["train"] is not None:
-            prepared.check_source(corpora["train"])
-    except PreparedError as error:
-        raise UsageError(str(error)) from None
-    return prepared
 
 
 def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
@@ -129,9 +58,10 @@ def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    run_data.log_pipelines_to_stdout()
     try:
         model_config = validate_args(args)
-        corpora = load_corpora(args)
+        corpora = run_data.load_corpora(args)
         config = run_config(args, model_config)
         from keras_transformer import distribution
 
@@ -144,17 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode = "finished" if finished and not args.overwrite else "worker"
         prepared = scan = None
         if mode != "finished":
-            prepared = find_prepared(args, corpora, will_overwrite=mode == "fresh")
-            if prepared is None and chief:
-                # The one validating pass over the training text, before anything exists.
-                from pipelines.corpora import CorpusError, scan_corpus
-
-                say(f"validating and sampling the training split of {args.data} ...")
-                try:
-                    scan = scan_corpus(corpora["train"], sample_pairs=args.tokenizer_sample,
-                                       seed=args.seed)
-                except CorpusError as error:
-                    raise UsageError(f"train data: {error}") from None
+            prepared = run_data.find_prepared(args, corpora, will_overwrite=mode == "fresh")
+            if prepared is None and chief:  # the one pass over the text, before anything exists
+                scan = run_data.scan_training_text(args, corpora["train"], say)
     except ValueError as error:  # UsageError, RunDirError, a malformed TF_CONFIG
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -170,11 +92,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if mode == "fresh" and out.exists():
             shutil.rmtree(out)  # --overwrite of a run directory (checked above)
         out.mkdir(parents=True, exist_ok=True)
+        if mode == "fresh":
+            # Written first, so that a run killed while preparing its data is resumable.
+            artifacts.write_json_atomic(out / artifacts.CONFIG_FILE, config)
     # Non-chief workers write their (identical) files to a scratch folder removed at the end:
     # every worker must save (variables may need collective reads), only the chief's count.
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
     try:
-        data = training_data(args, corpora["train"], prepared, scan, chief, home)
+        data = run_data.training_data(args, corpora["train"], prepared, scan, chief, say)
+        run_data.copy_tokenizer(data, home)
+        scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
         outcome = train_model(args, config, corpora, data, strategy, out, home, started)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -194,41 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return finish(args, config, corpora, outcome)
 
 
-def training_data(args: argparse.Namespace, train_split, prepared, scan, chief: bool,
-                  home: Path):
-    """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`),
-    or, on other workers, waited for; its tokenizer is copied into the run directory.
-
-    Raises:
-        UsageError: the tokenizer cannot be trained, or differs from the run's.
-    """
-    from keras_transformer import distribution
-    from pipelines.prepared import PreparedError, prepare_corpus, wait_for_prepared
-    from pipelines.tokenizer import SubwordTokenizer
-
-    directory = prepared_dir(args)
-    if prepared is None and chief:
-        say(f"preparing {scan.pairs:,} training pairs into {directory} (once) ...")
-        try:
-            prepared = prepare_corpus(
-                train_split, directory, vocab_size=args.vocab_size, max_length=args.max_length,
-                tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
-                min_shards=distribution.num_workers(), seed=args.seed, scan=scan)
-        except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
-            raise UsageError(f"preparing {directory}: {error}") from None
-    elif prepared is None:
-        prepared = wait_for_prepared(directory, PREPARE_WAIT_SECONDS)
-    tokenizer = prepared.tokenizer()
-    run_tokenizer = home / artifacts.TOKENIZER_DIR
-    if (run_tokenizer / "spm.model").is_file():
-        if SubwordTokenizer.load(run_tokenizer).model_proto != tokenizer.model_proto:
-            raise UsageError(f"{run_tokenizer} differs from {directory / 'tokenizer'}: this run "
-                             "was trained with another vocabulary; use its original --prepared")
-    else:
-        tokenizer.save(run_tokenizer)
-    return prepared
-
-
 def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
                 prepared, strategy, out: Path, home: Path, started: float) -> dict[str, Any]:
     """Pipelines, model and `model.fit`; returns what `finish` reports.
@@ -245,18 +137,23 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     from keras_transformer.model import build_transformer
     from keras_transformer.precision import resolve_jit, resolve_precision
     from keras_transformer.schedule import paper_adam
-    from pipelines.batching import make_batches
+    from pipelines.batching import check_budget, make_batches
 
     keras.utils.set_random_seed(args.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
     precision, jit = resolve_precision(args.precision, gpus), resolve_jit(args.jit_compile, gpus)
     replicas = strategy.num_replicas_in_sync
+    try:
+        check_budget(args.tokens_per_batch, args.max_length, replicas)
+    except ValueError as error:
+        raise UsageError(f"--tokens-per-batch: {error}") from None
     tokenizer = prepared.tokenizer()
     config.update(precision=precision, jit_compile=jit, replicas=replicas,
                   tokenizer_vocab_size=tokenizer.vocab_size,
                   prepared={"directory": str(prepared.directory.resolve()),
                             "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
                             "pairs": prepared.pairs, "shards": prepared.num_shards})
+    run_data.check_resumed_data(out, config)
     artifacts.write_json_atomic(home / artifacts.CONFIG_FILE, config)
 
     with strategy.scope():
@@ -323,7 +220,8 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         home / artifacts.CHECKPOINT_DIR, home / artifacts.BACKUP_DIR, args.checkpoint_every,
         keep=args.average_last, patience=args.patience, stopper=stopper, state=state)
     (home / artifacts.LOG_DIR).mkdir(parents=True, exist_ok=True)
-    callbacks = [cb.FirstStepTimer(started, say), stopper, throughput, checkpointer, keras.callbacks.TerminateOnNaN(),
+    callbacks = [cb.FirstStepTimer(started, say), stopper, throughput, checkpointer,
+                 keras.callbacks.TerminateOnNaN(),
                  keras.callbacks.CSVLogger(str(home / artifacts.LOG_DIR / "metrics.csv"),
                                            append=True)]
     if importlib.util.find_spec("tensorboard") is not None:

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens-per-batch", type=positive_int, default=4096,
                    help="global token budget per step, split over replicas")
     g.add_argument("--max-length", type=positive_int, default=128,
-                   help="longest sentence in subwords; longer pairs are dropped from training")
+                   help="longest sentence in subwords + EOS; longer pairs are dropped from training")
     g = p.add_argument_group("model (overrides of the preset)")
     g.add_argument("--preset", default="small", choices=("tiny", "small", "base", "big"),
                    help="small: 3 layers, d_model 256 (Multi30k); base/big: paper Table 3")
@@ -154,6 +154,20 @@ class UsageError(ValueError):
     """A bad flag, corpus or run directory, reported as one line with exit status 2."""
 
 
+def validate_data_flags(args: argparse.Namespace) -> None:
+    """The checks shared by `train` and `prepare`: languages, vocabulary, length.
+
+    Raises:
+        UsageError: with a message saying what to change.
+    """
+    if args.src == args.tgt:
+        raise UsageError(f"--src and --tgt are both {args.src!r}")
+    if args.vocab_size < 300:
+        raise UsageError("--vocab-size must be >= 300 (4 special ids + 256 byte pieces + words)")
+    if args.max_length < 2:
+        raise UsageError(f"--max-length must be >= 2 (a subword and EOS), got {args.max_length}")
+
+
 def validate_args(args: argparse.Namespace):
     """Semantic checks beyond argparse's; returns the `TransformerConfig`.
 
@@ -166,12 +180,7 @@ def validate_args(args: argparse.Namespace):
         raise UsageError("give --max-steps or --epochs, not both")
     if args.alpha < 0:
         raise UsageError(f"--alpha must be >= 0, got {args.alpha}")
-    if args.src == args.tgt:
-        raise UsageError(f"--src and --tgt are both {args.src!r}")
-    if args.vocab_size < 300:
-        raise UsageError("--vocab-size must be >= 300 (4 special ids + 256 byte pieces + words)")
-    if args.max_length < 2:
-        raise UsageError(f"--max-length must be >= 2 (a subword and EOS), got {args.max_length}")
+    validate_data_flags(args)
     if args.tokens_per_batch < args.max_length:
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is below --max-length "
                          f"{args.max_length}: a longest pair would not fit in a batch")

@@ -55,6 +55,9 @@ __all__ = [
 _LOG = logging.getLogger("pipelines")
 _TOKENIZE_CHUNK = 8192  # sentences tokenized per op call: amortises per-call overhead
 _CHUNK_SEED_STRIDE = 1_000_003  # keeps the seeds of chunks, epochs and batch orders apart
+# One fixed algorithm: "auto_select" may differ by device, and StreamPosition.after must
+# reproduce eagerly the order the input pipeline draws.
+_RNG = "philox"
 
 
 def default_bucket_boundaries(max_length: int) -> list[int]:
@@ -193,7 +196,8 @@ class StreamPosition:
         if per_epoch == 0:
             raise ValueError("the stream has no batches")
         epoch, rest = divmod(int(batches), per_epoch)
-        order = _chunk_order(len(chunk_batches), seed, epoch, shuffle).numpy()
+        with tf.device("/cpu:0"):
+            order = _chunk_order(len(chunk_batches), seed, epoch, shuffle).numpy()
         for position, chunk in enumerate(order):
             if rest < chunk_batches[chunk]:
                 return cls(epoch, position, rest)
@@ -233,13 +237,16 @@ def chunk_stream(
       ``({"source", "target"}, labels)`` batches as in the module docstring.
     """
     boundary_table = tf.constant(boundaries, dtype=tf.int64)
-    ends_table = tf.ragged.constant([np.asarray(e, np.int64) for e in chunk_ends],
-                                    dtype=tf.int64, ragged_rank=1)
+    ends_table = tf.RaggedTensor.from_row_lengths(
+        np.concatenate([np.asarray(e, np.int64) for e in chunk_ends] or [np.zeros(0, np.int64)]),
+        np.asarray([len(e) for e in chunk_ends], np.int64))
     if epoch_seeds is None:
         epoch_seeds = tf.data.Dataset.counter(start.epoch) if repeat else (
             tf.data.Dataset.from_tensors(tf.constant(start.epoch, tf.int64)))
     elif not repeat:
         epoch_seeds = epoch_seeds.take(1)
+    if not repeat and start.epoch > 0:  # started past the end of the only epoch
+        epoch_seeds = epoch_seeds.take(0)
 
     def chunks_of_epoch(epoch):
         order = _chunk_order(num_chunks, seed, epoch, shuffle)
@@ -258,10 +265,11 @@ def chunk_stream(
         batches = tf.shape(ends, out_type=tf.int64)[0]
         if shuffle:
             chunk_seed = tf.stack([seed + _CHUNK_SEED_STRIDE * (chunk + 1), epoch])
-            shuffled = tf.random.experimental.stateless_shuffle(tf.range(pairs), chunk_seed)
+            shuffled = tf.random.experimental.stateless_shuffle(tf.range(pairs), chunk_seed,
+                                                                alg=_RNG)
             order = tf.gather(shuffled, tf.argsort(tf.gather(keys, shuffled), stable=True))
             batch_order = tf.random.experimental.stateless_shuffle(
-                tf.range(batches), chunk_seed + [0, _CHUNK_SEED_STRIDE])
+                tf.range(batches), chunk_seed + [0, _CHUNK_SEED_STRIDE], alg=_RNG)
         else:
             order = tf.argsort(keys, stable=True)
             batch_order = tf.range(batches)
@@ -424,8 +432,8 @@ def _chunk_order(num_chunks: int, seed: int, epoch, shuffle: bool) -> tf.Tensor:
     if not shuffle:
         return chunks
     epoch = tf.cast(epoch, tf.int64)
-    return tf.random.experimental.stateless_shuffle(chunks, tf.stack([tf.constant(seed, tf.int64),
-                                                                      epoch]))
+    return tf.random.experimental.stateless_shuffle(
+        chunks, tf.stack([tf.constant(seed, tf.int64), epoch]), alg=_RNG)
 
 
 def _pad_to_boundary(rows: tf.RaggedTensor, boundary_table: tf.Tensor) -> tf.Tensor:

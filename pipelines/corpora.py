@@ -7,8 +7,8 @@ Every problem becomes one :class:`CorpusError` naming the file (or dataset), the
 line or example number, and how to fix it. :func:`scan_corpus` is that one pass for a
 training split: pair count, content fingerprint and a bounded, seeded sample (for the
 tokenizer). :func:`load_corpus` holds a small split (validation, test) in memory as a
-:class:`ParallelCorpus`. Over-long pairs are only ever removed by
-:func:`filter_long_pairs`, which counts what it drops in a log line (logger ``"pipelines"``).
+:class:`ParallelCorpus`. Pairs too long for training are dropped later, by the pipelines
+that tokenize them, and counted by :func:`log_dropped` (logger ``"pipelines"``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import json
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from pipelines import tfds_corpora
@@ -37,7 +36,7 @@ __all__ = [
     "ParallelCorpus",
     "available_splits",
     "corpus_fingerprint",
-    "filter_long_pairs",
+    "log_dropped",
     "load_corpus",
     "open_corpus",
     "scan_corpus",
@@ -148,13 +147,15 @@ class CorpusScan:
     """What one validating pass over a training split found (:func:`scan_corpus`).
 
     ``pairs`` counts the valid pairs, ``fingerprint`` is :func:`corpus_fingerprint` of
-    the whole split, ``sample`` holds up to ``sample_pairs`` of its pairs, in corpus order.
+    the whole split, ``sample`` holds up to ``sample_pairs`` of its pairs, in corpus order,
+    ``identity`` is :meth:`CorpusSplit.identity` taken before the pass.
     """
 
     split: CorpusSplit
     pairs: int
     fingerprint: str
     sample: ParallelCorpus
+    identity: dict[str, Any]
 
 
 def open_corpus(
@@ -301,6 +302,7 @@ def scan_corpus(split: CorpusSplit, *, sample_pairs: int, seed: int = 0) -> Corp
     """
     if sample_pairs < 1:
         raise ValueError(f"sample_pairs must be positive, got {sample_pairs}")
+    identity = split.identity()
     fingerprint = _Fingerprint(split.src_lang, split.tgt_lang)
     rng = random.Random(seed)
     reservoir: list[tuple[int, str, str]] = []
@@ -319,7 +321,7 @@ def scan_corpus(split: CorpusSplit, *, sample_pairs: int, seed: int = 0) -> Corp
                             split.src_lang, split.tgt_lang, split.split, split.origin)
     _LOG.info("%s [%s]: %d %s-%s pairs validated, %d sampled", split.origin, split.split,
               fingerprint.pairs, split.src_lang, split.tgt_lang, len(sample))
-    return CorpusScan(split, fingerprint.pairs, fingerprint.hexdigest(), sample)
+    return CorpusScan(split, fingerprint.pairs, fingerprint.hexdigest(), sample, identity)
 
 
 def batched_pairs(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[tuple[list, list]]:
@@ -329,51 +331,8 @@ def batched_pairs(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[tuple
         yield [s for s, _ in chunk], [t for _, t in chunk]
 
 
-def filter_long_pairs(
-    corpus: ParallelCorpus,
-    max_length: int,
-    *,
-    length_fn: Callable[[Sequence[str]], Sequence[int]] | None = None,
-    unit: str = "words",
-) -> ParallelCorpus:
-    """Drop pairs whose source or target is longer than ``max_length``, and log how many.
-
-    Args:
-      corpus: the corpus to filter.
-      max_length: the largest allowed length (inclusive), in ``unit``.
-      length_fn: maps a list of sentences to their lengths, in one call so it can be
-        vectorised (e.g. subword counts from a tokenizer). Default: whitespace words.
-      unit: what ``length_fn`` counts, for the log line.
-
-    Returns:
-      A new corpus with the kept pairs in their original order.
-    """
-    if max_length < 1:
-        raise ValueError(f"max_length must be a positive number of {unit}, got {max_length}")
-    if length_fn is None:
-        length_fn = _word_counts
-    source_lengths = np.asarray(length_fn(corpus.sources), dtype=np.int64)
-    target_lengths = np.asarray(length_fn(corpus.targets), dtype=np.int64)
-    keep = (source_lengths <= max_length) & (target_lengths <= max_length)
-    kept = int(keep.sum())
-    log_dropped(f"{corpus.origin} [{corpus.split}] {corpus.src_lang}-{corpus.tgt_lang}",
-                kept, len(corpus), max_length, unit)
-    if kept == len(corpus):
-        return corpus
-    indices = np.flatnonzero(keep)
-    return dataclasses.replace(
-        corpus,
-        sources=[corpus.sources[i] for i in indices],
-        targets=[corpus.targets[i] for i in indices],
-    )
-
-
 def log_dropped(name: str, kept: int, total: int, max_length: int, unit: str) -> None:
     """The one log line that counts pairs dropped for length."""
     dropped = total - kept
     _LOG.info("%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s", name, kept,
               total, dropped, 100.0 * dropped / max(total, 1), max_length, unit)
-
-
-def _word_counts(texts: Sequence[str]) -> list[int]:
-    return [len(text.split()) for text in texts]

@@ -24,14 +24,16 @@ only a temporary folder that the next preparation removes.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import math
 import os
 import shutil
+import socket
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT_VERSION = 1
 _ENCODE_BATCH = 4096  # pairs per tokenizer call while preparing
-_FLUSH_BYTES = 1 << 22  # per-shard write buffer
+_BUFFER_BYTES = 64 << 20  # write buffers of all shards together: flat as shards multiply
 _STAGING_PREFIX = ".tmp-prepare-"
 _LOG = logging.getLogger("pipelines")
 
@@ -83,18 +85,26 @@ class PreparedCorpus:
             manifest = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as error:
             raise PreparedError(f"{path}: unreadable ({error}); prepare the corpus again") from None
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise PreparedError(f"{path}: format {manifest.get('format_version')!r}, this version "
-                                f"reads {FORMAT_VERSION}; prepare the corpus again")
-        for shard in manifest["shards"]:
-            for kind in ("ids", "lengths"):
-                file = directory / shard[kind]
-                size = file.stat().st_size if file.is_file() else None
-                if size != shard[f"{kind}_bytes"]:
-                    raise PreparedError(
-                        f"{file}: {'missing' if size is None else f'{size} bytes'}, the manifest "
-                        f"says {shard[f'{kind}_bytes']}: the prepared corpus is damaged; "
-                        "prepare it again (or copy it again from where it was prepared)")
+        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+            version = manifest.get("format_version") if isinstance(manifest, dict) else None
+            raise PreparedError(f"{path}: format {version!r}, this version reads "
+                                f"{FORMAT_VERSION}; prepare the corpus again")
+        try:
+            for shard in manifest["shards"]:
+                for kind in ("ids", "lengths"):
+                    file = directory / shard[kind]
+                    size = file.stat().st_size if file.is_file() else None
+                    if size != shard[f"{kind}_bytes"]:
+                        raise PreparedError(
+                            f"{file}: {'missing' if size is None else f'{size} bytes'}, the "
+                            f"manifest says {shard[f'{kind}_bytes']}: the prepared corpus is "
+                            "damaged; prepare it again (or copy it again from where it was "
+                            "prepared)")
+            for key in ("settings", "corpus", "corpus_fingerprint", "pairs_kept", "id_dtype"):
+                manifest[key]  # noqa: B018 (presence check)
+        except (KeyError, TypeError) as error:
+            raise PreparedError(f"{path}: incomplete manifest ({type(error).__name__}: {error}); "
+                                "prepare the corpus again") from None
         if not (directory / TOKENIZER_DIR).is_dir():
             raise PreparedError(f"{directory / TOKENIZER_DIR}: missing; prepare the corpus again")
         return cls(directory, manifest)
@@ -111,9 +121,11 @@ class PreparedCorpus:
 
     @property
     def num_shards(self) -> int:
+        """Number of shard files (pairs of .ids/.lengths)."""
         return len(self.manifest["shards"])
 
     def tokenizer(self) -> SubwordTokenizer:
+        """The SentencePiece tokenizer the shards were made with."""
         return SubwordTokenizer.load(self.directory / TOKENIZER_DIR)
 
     def check_settings(self, wanted: Mapping[str, Any]) -> None:
@@ -180,6 +192,8 @@ class PreparedCorpus:
             prepared one.
           ValueError: invalid budget arguments.
         """
+        if skip_batches < 0:
+            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
         prepared_length = int(self.settings["max_length"])
         max_length = prepared_length if max_length is None else max_length
         if max_length > prepared_length:
@@ -195,10 +209,15 @@ class PreparedCorpus:
             raise PreparedError(
                 f"{self.directory} has {self.num_shards} shard(s) for {pipelines} input "
                 f"pipelines (workers); prepare it with --shards {pipelines} or more")
-        _, boundaries = check_budget(tokens_per_batch, max_length, replicas, bucket_boundaries)
-        all_ends = self.shard_batches(tokens_per_batch, max_length, replicas, bucket_boundaries)
+        budget, boundaries = check_budget(tokens_per_batch, max_length, replicas,
+                                          bucket_boundaries)
         mine = list(range(pipeline, self.num_shards, pipelines))
-        ends = [all_ends[i] for i in mine]
+        ends = [plan_batches(np.asarray(self.manifest["shards"][i]["histogram"][:max_length + 1]),
+                             boundaries, budget) for i in mine]
+        if not any(len(e) for e in ends):
+            raise PreparedError(
+                f"{self.directory}: input pipeline {pipeline} of {pipelines} has no pair within "
+                f"max_length {max_length} in its shards {mine}; prepare more pairs or fewer shards")
         stream_seed = seed + 7919 * pipeline
         start = StreamPosition.after(skip_batches, [len(e) for e in ends], seed=stream_seed,
                                      shuffle=shuffle) if skip_batches else StreamPosition()
@@ -211,8 +230,8 @@ class PreparedCorpus:
             lengths = tf.io.decode_raw(tf.io.read_file(lengths_files[index]), tf.int32)
             ids = tf.cast(tf.io.decode_raw(tf.io.read_file(ids_files[index]), id_dtype), tf.int32)
             rows = tf.RaggedTensor.from_row_lengths(ids, tf.cast(lengths, tf.int64))
-            count = tf.shape(lengths, out_type=tf.int64)[0]
-            return (tf.gather(rows, tf.range(0, count, 2)), tf.gather(rows, tf.range(1, count, 2)))
+            sources = tf.range(tf.size(lengths, out_type=tf.int64) // 2) * 2  # rows 0, 2, 4, ...
+            return tf.gather(rows, sources), tf.gather(rows, sources + 1)
 
         return chunk_stream(len(mine), load_shard, ends, boundaries, seed=stream_seed,
                             shuffle=shuffle, repeat=repeat, start=start)
@@ -265,7 +284,7 @@ def prepare_corpus(
         scan = scan_corpus(split, sample_pairs=tokenizer_sample, seed=seed)
     directory.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(directory)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}{_STAGING_PREFIX}{os.getpid()}-",
+    staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(directory)}{os.getpid()}-",
                                     dir=directory.parent))
     try:
         settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,
@@ -279,7 +298,14 @@ def prepare_corpus(
                                        "corpus": f"{split.origin} [{split.split}] "
                                                  f"{split.src_lang}-{split.tgt_lang}"})
         num_shards = max(min_shards, math.ceil(scan.pairs / shard_pairs))
-        shards = _write_shards(split, tokenizer, staging, num_shards, max_length, seed)
+        try:
+            shards, seen = _write_shards(split, tokenizer, staging, num_shards, max_length, seed)
+        except tf.errors.OpError as error:  # e.g. a CorpusError raised inside from_generator
+            raise PreparedError(f"{split.origin} [{split.split}]: reading failed while "
+                                f"tokenizing: {error.message}") from None
+        if seen != scan.pairs or split.identity() != scan.identity:
+            raise PreparedError(f"{split.origin} [{split.split}] changed during preparation "
+                                f"({scan.pairs} pairs validated, {seen} tokenized); prepare again")
         kept = sum(shard["pairs"] for shard in shards)
         log_dropped(f"{split.origin} [{split.split}] {split.src_lang}-{split.tgt_lang}", kept,
                     scan.pairs, max_length, "positions (subword pieces + EOS)")
@@ -289,7 +315,7 @@ def prepare_corpus(
         manifest = {
             "format_version": FORMAT_VERSION,
             "settings": settings,
-            "corpus": split.identity(),
+            "corpus": scan.identity,
             "corpus_fingerprint": scan.fingerprint,
             "pairs_total": scan.pairs,
             "pairs_kept": kept,
@@ -336,15 +362,24 @@ def _id_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
+def _file_dtype(name: str) -> np.dtype:
+    """Little-endian on disk whatever the machine (``tf.io.decode_raw`` reads it so)."""
+    return np.dtype(name).newbyteorder("<")
+
+
 def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path,
-                  num_shards: int, max_length: int, seed: int) -> list[dict[str, Any]]:
-    """The tokenizing pass: every kept pair appended to a seeded-random shard."""
-    id_dtype = np.dtype(_id_dtype(tokenizer.vocab_size))
+                  num_shards: int, max_length: int, seed: int) -> tuple[list[dict[str, Any]], int]:
+    """The tokenizing pass: every kept pair appended to a seeded-random shard.
+
+    Returns the shards' manifest entries and the number of pairs read (kept or not).
+    """
+    id_dtype = _file_dtype(_id_dtype(tokenizer.vocab_size))
     width = len(str(num_shards - 1))
     names = [f"shard-{i:0{max(width, 5)}d}-of-{num_shards:0{max(width, 5)}d}"
              for i in range(num_shards)]
     buffers: list[dict[str, list[bytes]]] = [{"ids": [], "lengths": []} for _ in names]
     buffered = np.zeros(num_shards, np.int64)
+    flush_bytes = max(1 << 16, _BUFFER_BYTES // num_shards)
     histograms = np.zeros((num_shards, max_length + 1), np.int64)
     pairs = np.zeros(num_shards, np.int64)
     tokens = np.zeros((num_shards, 2), np.int64)
@@ -356,8 +391,10 @@ def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path
             buffers[shard][kind] = []
         buffered[shard] = 0
 
+    seen = 0
     for index, (values, splits, source_lengths, target_lengths) in enumerate(
             _tokenized_batches(split, tokenizer)):
+        seen += len(source_lengths)
         positions = np.maximum(source_lengths, target_lengths) + 1
         keep = np.flatnonzero(positions <= max_length)
         shard_of = np.random.default_rng([seed, index]).integers(num_shards, size=len(keep))
@@ -368,7 +405,8 @@ def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path
         ids = values[np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
                      + np.arange(sizes.sum())].astype(id_dtype)
         id_ends = np.cumsum(sizes)
-        lengths = np.stack([source_lengths[rows], target_lengths[rows]], axis=1).astype("<i4")
+        lengths = np.stack([source_lengths[rows], target_lengths[rows]], axis=1).astype(
+            _file_dtype("int32"))
         bounds = np.searchsorted(shard_of, np.arange(num_shards + 1))
         for shard in np.flatnonzero(np.diff(bounds)):
             first, last = bounds[shard], bounds[shard + 1]
@@ -381,7 +419,7 @@ def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path
                                              minlength=max_length + 1)
             pairs[shard] += last - first
             tokens[shard] += lengths[first:last].sum(axis=0)
-            if buffered[shard] >= _FLUSH_BYTES:
+            if buffered[shard] >= flush_bytes:
                 flush(shard)
     shards = []
     for shard, name in enumerate(names):
@@ -396,10 +434,10 @@ def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path
             "pairs": int(pairs[shard]), "source_pieces": int(tokens[shard, 0]),
             "target_pieces": int(tokens[shard, 1]), "histogram": histograms[shard].tolist(),
         })
-    return shards
+    return shards, seen
 
 
-def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer):
+def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer) -> Iterator[tuple]:
     """Numpy batches ``(ids, row splits, source lengths, target lengths)``: row ``i`` of
     ``ids`` is pair ``i``'s source pieces followed by its target pieces."""
     dataset = tf.data.Dataset.from_generator(
@@ -415,12 +453,22 @@ def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer):
     yield from dataset.prefetch(4).as_numpy_iterator()
 
 
+def _staging_prefix(directory: Path) -> str:
+    """Name prefix of ``directory``'s temporary folders made on this host."""
+    return f".{directory.name}{_STAGING_PREFIX}{socket.gethostname()}-"
+
+
 def _remove_stale_staging(directory: Path) -> None:
-    """Removes temporary folders of killed preparations of ``directory`` (dead pids only)."""
-    prefix = f".{directory.name}{_STAGING_PREFIX}"
-    for stale in directory.parent.glob(f"{prefix}*"):
+    """Removes temporary folders of killed preparations of ``directory`` made on this host.
+
+    A folder is stale when its process is gone, or is this process (which has not made its
+    own yet: a container restarted under the same pid). Folders of other hosts sharing the
+    filesystem are left alone: their processes cannot be seen from here.
+    """
+    prefix = _staging_prefix(directory)
+    for stale in directory.parent.glob(f"{glob.escape(prefix)}*"):
         pid = stale.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -179,23 +179,3 @@ def iter_aligned(
             "%s: dropped %d %s(s) blank on every side (first: %s %d)",
             ", ".join(names.values()), blank, unit, unit, first_blank,
         )
-
-
-def validate_aligned(
-    columns: Mapping[str, list[str]], names: Mapping[str, str], *, unit: str = "line"
-) -> dict[str, list[str]]:
-    """:func:`iter_aligned` over in-memory columns; returns ``{lang: sentences}``."""
-    langs = list(columns)
-    rows = list(iter_aligned(columns, names, unit=unit))
-    return {lang: [row[i] for row in rows] for i, lang in enumerate(langs)}
-
-
-def read_aligned(paths: Mapping[str, str | Path]) -> dict[str, list[str]]:
-    """Read several line-aligned files, ``{lang: path}`` -> ``{lang: sentences}``.
-
-    All validation of :func:`iter_text_lines` and :func:`iter_aligned` applies.
-    """
-    return validate_aligned(
-        {lang: iter_text_lines(path) for lang, path in paths.items()},  # type: ignore[misc]
-        {lang: str(path) for lang, path in paths.items()},
-    )

@@ -13,7 +13,6 @@ from pipelines.corpora import (
     ParallelCorpus,
     available_splits,
     corpus_fingerprint,
-    filter_long_pairs,
     load_corpus,
 )
 from pipelines.multi30k_tfds import LANGUAGES
@@ -185,25 +184,6 @@ def test_fingerprint_depends_on_content_only(tmp_path, folder):
     assert corpus_fingerprint(a) != corpus_fingerprint(b)
     swapped = ParallelCorpus(EN, DE, "en", "de", "train", "x")
     assert corpus_fingerprint(swapped) != corpus_fingerprint(gz)
-
-
-def test_filter_long_pairs_is_counted_in_a_log_line(caplog):
-    corpus = ParallelCorpus(
-        ["a b", "a b c d", "a", "a b c"], ["x", "x", "x y z w", "x y"], "de", "en", "train", "mem"
-    )
-    with caplog.at_level(logging.INFO, logger="pipelines"):
-        kept = filter_long_pairs(corpus, 3)
-    assert kept.sources == ["a b", "a b c"] and kept.targets == ["x", "x y"]
-    assert "kept 2 of 4 pairs, dropped 2 (50.00%) longer than 3 words" in caplog.text
-    by_chars = filter_long_pairs(
-        corpus, 5, length_fn=lambda texts: [len(t) for t in texts], unit="chars"
-    )
-    assert by_chars.sources == ["a b", "a b c"]
-    with pytest.raises(ValueError, match="max_length"):
-        filter_long_pairs(corpus, 0)
-
-
-# --- tensorflow-datasets: our Multi30k builder and the generic path ----------------------
 
 
 def write_multi30k(root: Path, rows: int = 3) -> Path:
