@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, nargs="+", default=[500_000, 2_000_000, 4_500_000])
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--multi30k", type=Path, default=DEFAULT_MULTI30K)
-    parser.add_argument("--vocab-size", type=int, default=37000)
+    parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--far-step", type=int, default=10_000)
     parser.add_argument("--keep", action="store_true", help="keep corpora and runs")
     args = parser.parse_args()

@@ -292,9 +292,12 @@ def corpus_fingerprint(corpus: ParallelCorpus | CorpusSplit) -> str:
 def scan_corpus(split: CorpusSplit, *, sample_pairs: int, seed: int = 0) -> CorpusScan:
     """Validate a training split in one streaming pass; count, fingerprint and sample it.
 
-    The sample is a uniform reservoir sample of ``sample_pairs`` pairs (all pairs when
-    the split is smaller), seeded by ``seed`` and returned in corpus order, so the same
-    corpus and seed always give the same sample. Memory is bounded by the sample.
+    Validation, count and fingerprint take one pass; the sample is ``sample_pairs`` pairs drawn uniformly without replacement (all pairs
+    when the split is not larger), seeded by ``seed`` and in corpus order, so the same
+    corpus and seed always give the same sample. Memory is bounded by the sample: the
+    first pass keeps the first ``sample_pairs`` pairs; if there are more, the drawn ones
+    are collected by a second pass (allocating only them: replacing strings one by one,
+    as a reservoir would, fragments the heap until memory grows with the corpus).
 
     Raises:
       CorpusError: at the first problem with the corpus (see :meth:`CorpusSplit.pairs`).
@@ -304,21 +307,29 @@ def scan_corpus(split: CorpusSplit, *, sample_pairs: int, seed: int = 0) -> Corp
         raise ValueError(f"sample_pairs must be positive, got {sample_pairs}")
     identity = split.identity()
     fingerprint = _Fingerprint(split.src_lang, split.tgt_lang)
-    rng = random.Random(seed)
-    reservoir: list[tuple[int, str, str]] = []
-    for index, (source, target) in enumerate(split.pairs()):
+    sources: list[str] = []
+    targets: list[str] = []
+    for source, target in split.pairs():
         fingerprint.add(source, target)
-        if index < sample_pairs:
-            reservoir.append((index, source, target))
-        else:
-            slot = rng.randrange(index + 1)
-            if slot < sample_pairs:
-                reservoir[slot] = (index, source, target)
+        if len(sources) < sample_pairs:
+            sources.append(source)
+            targets.append(target)
     if fingerprint.pairs == 0:
         raise CorpusError(f"{split.origin} [{split.split}]: no sentence pairs")
-    reservoir.sort()
-    sample = ParallelCorpus([s for _, s, _ in reservoir], [t for _, _, t in reservoir],
-                            split.src_lang, split.tgt_lang, split.split, split.origin)
+    if fingerprint.pairs > sample_pairs:
+        sources, targets = [], []
+        chosen = sorted(random.Random(seed).sample(range(fingerprint.pairs), sample_pairs))
+        wanted = iter(chosen)
+        next_index = next(wanted)
+        for index, (source, target) in enumerate(split.pairs()):
+            if index == next_index:
+                sources.append(source)
+                targets.append(target)
+                next_index = next(wanted, -1)
+                if next_index < 0:
+                    break
+    sample = ParallelCorpus(sources, targets, split.src_lang, split.tgt_lang, split.split,
+                            split.origin)
     _LOG.info("%s [%s]: %d %s-%s pairs validated, %d sampled", split.origin, split.split,
               fingerprint.pairs, split.src_lang, split.tgt_lang, len(sample))
     return CorpusScan(split, fingerprint.pairs, fingerprint.hexdigest(), sample, identity)
