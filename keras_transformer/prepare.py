@@ -13,8 +13,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from keras_transformer.train_flags import HelpFormatter, positive_int, validate_data_flags
-from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
+from keras_transformer.train_flags import (
+    HelpFormatter,
+    add_data_flags,
+    positive_int,
+    validate_data_flags,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,20 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`python -m keras_transformer.train --prepared OUT`.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--data", required=True,
-                   help="folder of {split}.{lang}[.gz] files, or tfds:NAME[/CONFIG]")
-    p.add_argument("--data-dir", help="tensorflow-datasets data_dir (tfds: data only)")
-    p.add_argument("--src", required=True, help="source language code, e.g. de")
-    p.add_argument("--tgt", required=True, help="target language code, e.g. en")
-    p.add_argument("--train-split", default="train", help="split to prepare")
-    p.add_argument("--vocab-size", type=positive_int, default=8000,
-                   help="shared source/target subword vocabulary size (paper: ~37000)")
-    p.add_argument("--max-length", type=positive_int, default=128,
-                   help="longest pair kept, in subwords + EOS; longer pairs are dropped")
-    p.add_argument("--tokenizer-sample", type=positive_int, default=DEFAULT_TOKENIZER_SAMPLE,
-                   help="pairs sampled (seeded) to train SentencePiece on")
-    p.add_argument("--shard-pairs", type=positive_int, default=DEFAULT_SHARD_PAIRS,
-                   help="pairs per shard")
+    add_data_flags(p)
     p.add_argument("--shards", type=positive_int, default=1,
                    help="at least this many shards: the number of workers that will train")
     p.add_argument("--seed", type=int, default=0,

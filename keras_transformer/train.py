@@ -1,8 +1,9 @@
 """Train a Transformer end to end: `python -m keras_transformer.train --help`.
 
 corpus -> prepared data (shared subword vocabulary and token shards, made once:
-`pipelines.prepared`) -> token-budget batches -> `model.fit` under a tf.distribute strategy (periodic/best checkpoints, resumable backup, TensorBoard) -> the
-average of the last N checkpoints -> BLEU/chrF on the test split -> SavedModel export.
+`pipelines.prepared`) -> token-budget batches -> `model.fit` under a tf.distribute strategy
+(periodic/best checkpoints, resumable backup, TensorBoard) -> the average of the last N
+checkpoints -> BLEU/chrF on the test split -> SavedModel export.
 
 Every flag and the corpus are validated before the run directory is created, so a bad
 command fails at once with one line and exit status 2 and leaves nothing behind. Running

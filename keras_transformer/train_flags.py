@@ -56,6 +56,27 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def add_data_flags(group) -> None:
+    """The flags that say which corpus to read and how to prepare it, shared by `train`
+    and `prepare` (checked by `validate_data_flags`)."""
+    group.add_argument("--data", required=True,
+                       help="folder of {split}.{lang}[.gz] files, or tfds:NAME[/CONFIG]")
+    group.add_argument("--data-dir", help="tensorflow-datasets data_dir (tfds: data only)")
+    group.add_argument("--src", required=True, help="source language code, e.g. de")
+    group.add_argument("--tgt", required=True, help="target language code, e.g. en")
+    group.add_argument("--train-split", default="train", help="the training split")
+    group.add_argument("--vocab-size", type=positive_int, default=8000,
+                       help="shared source/target subword vocabulary size (paper: ~37000)")
+    group.add_argument("--max-length", type=positive_int, default=128,
+                       help="longest pair kept, in subwords + EOS; longer pairs are dropped "
+                       "from training")
+    group.add_argument("--tokenizer-sample", type=positive_int, default=DEFAULT_TOKENIZER_SAMPLE,
+                       help="pairs sampled (seeded) from the training split to train "
+                       "SentencePiece on")
+    group.add_argument("--shard-pairs", type=positive_int, default=DEFAULT_SHARD_PAIRS,
+                       help="pairs per prepared shard")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m keras_transformer.train",
@@ -65,34 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", required=True,
-                   help="folder of {split}.{lang}[.gz] files, or tfds:NAME[/CONFIG]")
-    g.add_argument("--data-dir", help="tensorflow-datasets data_dir (tfds: data only)")
-    g.add_argument("--src", required=True, help="source language code, e.g. de")
-    g.add_argument("--tgt", required=True, help="target language code, e.g. en")
-    g.add_argument("--train-split", default="train", help="split to train on")
+    add_data_flags(g)
     g.add_argument("--val-split", default="val",
                    help="split for validation loss, best checkpoint and early stopping")
     g.add_argument("--test-split", default="test",
                    help="split scored with BLEU at the end; 'none' to skip")
     g.add_argument("--test-limit", type=_non_negative_int, default=0,
                    help="score only the first N test pairs (0 = all)")
-    g.add_argument("--vocab-size", type=positive_int, default=8000,
-                   help="shared source/target subword vocabulary size")
     g.add_argument("--prepared",
                    help="prepared training data (tokenizer and token shards, from `python -m "
                    "keras_transformer.prepare`, reusable by several runs); prepared there by the "
                    "first run if absent. Default: RUN/prepared. Workers of a multi-machine run "
                    "read it from this path (shared), waiting up to "
                    f"{PREPARE_WAIT_SECONDS // 3600} h for the chief to prepare it")
-    g.add_argument("--tokenizer-sample", type=positive_int, default=DEFAULT_TOKENIZER_SAMPLE,
-                   help="pairs sampled (seeded) from the train split to train SentencePiece on")
-    g.add_argument("--shard-pairs", type=positive_int, default=DEFAULT_SHARD_PAIRS,
-                   help="pairs per prepared shard (at least one shard per worker)")
     g.add_argument("--tokens-per-batch", type=positive_int, default=4096,
                    help="global token budget per step, split over replicas")
-    g.add_argument("--max-length", type=positive_int, default=128,
-                   help="longest sentence in subwords + EOS; longer pairs are dropped from training")
     g = p.add_argument_group("model (overrides of the preset)")
     g.add_argument("--preset", default="small", choices=("tiny", "small", "base", "big"),
                    help="small: 3 layers, d_model 256 (Multi30k); base/big: paper Table 3")

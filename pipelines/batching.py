@@ -389,7 +389,7 @@ def make_batches(
         )
     if not keep.all():
         source, target = tf.ragged.boolean_mask(source, keep), tf.ragged.boolean_mask(target, keep)
-    ends = plan_batches(position_histogram(source_pieces[keep], target_pieces[keep], max_length),
+    ends = plan_batches(position_histogram(source_pieces, target_pieces, max_length),
                         boundaries, budget)
     chunk = (source, target)
     epoch_seeds = (tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)

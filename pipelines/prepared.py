@@ -41,7 +41,13 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
-from pipelines.batching import StreamPosition, check_budget, chunk_stream, plan_batches
+from pipelines.batching import (
+    StreamPosition,
+    check_budget,
+    chunk_stream,
+    plan_batches,
+    position_histogram,
+)
 from pipelines.corpora import CorpusScan, CorpusSplit, batched_pairs, log_dropped, scan_corpus
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
@@ -158,8 +164,14 @@ class PreparedCorpus:
         """Per shard, the end offsets of its batches (:func:`pipelines.batching.plan_batches`)."""
         budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
                                           bucket_boundaries)
-        return [plan_batches(np.asarray(shard["histogram"][:max_length + 1]), boundaries, budget)
-                for shard in self.manifest["shards"]]
+        return [self._plan(shard, boundaries, budget, max_length)
+                for shard in range(self.num_shards)]
+
+    def _plan(self, shard: int, boundaries: Sequence[int], budget: int,
+              max_length: int) -> np.ndarray:
+        """The batch end offsets of one shard, from its length histogram."""
+        histogram = np.asarray(self.manifest["shards"][shard]["histogram"][:max_length + 1])
+        return plan_batches(histogram, boundaries, budget)
 
     def batches(
         self,
@@ -212,8 +224,7 @@ class PreparedCorpus:
         budget, boundaries = check_budget(tokens_per_batch, max_length, replicas,
                                           bucket_boundaries)
         mine = list(range(pipeline, self.num_shards, pipelines))
-        ends = [plan_batches(np.asarray(self.manifest["shards"][i]["histogram"][:max_length + 1]),
-                             boundaries, budget) for i in mine]
+        ends = [self._plan(i, boundaries, budget, max_length) for i in mine]
         if not any(len(e) for e in ends):
             raise PreparedError(
                 f"{self.directory}: input pipeline {pipeline} of {pipelines} has no pair within "
@@ -415,8 +426,8 @@ def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path
             buffers[shard]["ids"].append(ids_bytes)
             buffers[shard]["lengths"].append(lengths[first:last].tobytes())
             buffered[shard] += len(ids_bytes)
-            histograms[shard] += np.bincount(positions[rows[first:last]],
-                                             minlength=max_length + 1)
+            histograms[shard] += position_histogram(lengths[first:last, 0],
+                                                    lengths[first:last, 1], max_length)
             pairs[shard] += last - first
             tokens[shard] += lengths[first:last].sum(axis=0)
             if buffered[shard] >= flush_bytes:
