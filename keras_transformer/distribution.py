@@ -29,7 +29,7 @@ import os
 import tensorflow as tf
 from keras import ops
 
-from keras_transformer.losses import LabelSmoothedCrossEntropy, masked_token_loss_sum
+from keras_transformer.losses import LabelSmoothedCrossEntropy
 
 
 def cluster_spec() -> tuple[dict[str, list[str]], str, int]:
@@ -109,7 +109,7 @@ class GlobalTokenCrossEntropy(LabelSmoothedCrossEntropy):
     """
 
     def call(self, y_true, y_pred):
-        local, local_tokens = masked_token_loss_sum(y_true, y_pred, self.label_smoothing)
+        local, local_tokens = self.sum_and_count(y_true, y_pred)
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return local / ops.maximum(local_tokens, 1.0)

@@ -172,12 +172,17 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
         self.label_smoothing = label_smoothing
 
     def call(self, y_true, y_pred):
+        loss_sum, tokens = self.sum_and_count(y_true, y_pred)
+        return loss_sum / ops.maximum(tokens, 1.0)
+
+    def sum_and_count(self, y_true, y_pred):
+        """(float32 sum of the token losses, float32 number of non-padding tokens): the
+        parts of the mean, for means over several micro-batches or replicas."""
         if fused_kernels() is not None:
             # Keras differentiates the loss with respect to the weights only, so reading the
             # model's bfloat16 logits before their exact float32 cast gives the same gradients.
             y_pred = _before_exact_upcast(y_pred)
-        loss_sum, tokens = masked_token_loss_sum(y_true, y_pred, self.label_smoothing)
-        return loss_sum / ops.maximum(tokens, 1.0)
+        return masked_token_loss_sum(y_true, y_pred, self.label_smoothing)
 
     def get_config(self) -> dict:
         return {"label_smoothing": self.label_smoothing, "name": self.name}

@@ -15,6 +15,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_transformer.accumulation import GradientAccumulator
 from keras_transformer.layers import (
     DecoderLayer,
     EncoderLayer,
@@ -293,6 +294,43 @@ class Transformer(keras.Model):
         if return_attention_scores:
             return logits, tuple(updated), scores
         return logits, tuple(updated)
+
+    def compile(self, *args, accumulate_steps: int = 1, **kwargs) -> None:
+        """`keras.Model.compile`, plus gradient accumulation for `fit`.
+
+        Args:
+            accumulate_steps: micro-batches per optimizer update (fairseq's
+                `--update-freq`); see `keras_transformer.accumulation`. With N > 1 the loss
+                must be a `LabelSmoothedCrossEntropy` (it normalises by the tokens of all N
+                micro-batches), and `fit`'s steps are micro-batches while the optimizer's
+                `iterations` count updates.
+            *args, **kwargs: as `keras.Model.compile`.
+        """
+        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or (
+                accumulate_steps < 1):
+            raise ValueError(f"accumulate_steps must be a positive integer, got "
+                             f"{accumulate_steps!r}")
+        super().compile(*args, **kwargs)
+        self._accumulator = (GradientAccumulator(self, accumulate_steps)
+                             if accumulate_steps > 1 else None)
+
+    @property
+    def accumulate_steps(self) -> int:
+        """Micro-batches per optimizer update (1 unless compiled with more)."""
+        accumulator = getattr(self, "_accumulator", None)
+        return 1 if accumulator is None else accumulator.steps
+
+    def make_train_function(self, force: bool = False):
+        if getattr(self, "_accumulator", None) is None:
+            return super().make_train_function(force)
+        if self.train_function is not None and not force:
+            return self.train_function
+        if self.steps_per_execution != 1:
+            raise ValueError("accumulate_steps > 1 needs steps_per_execution=1 (each call of "
+                             "the train function is one micro-batch)")
+        micro = self._make_function(lambda data: self._accumulator.micro_step(self, data))
+        self.train_function = self._accumulator.make_train_function(self, micro)
+        return self.train_function
 
     def get_config(self) -> dict:
         config = {"name": self.name, "trainable": self.trainable}
