@@ -93,7 +93,7 @@ class GradientAccumulator:
         """On each replica: the accumulated gradients, normalised by the tokens of all
         micro-batches of all replicas, go to the optimizer (which sums them over replicas
         and updates once); the accumulators restart from zero."""
-        tokens = self.tokens.value
+        tokens = tf.identity(self.tokens.value)  # a tensor: collectives refuse variables
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             tokens = context.all_reduce(tf.distribute.ReduceOp.SUM, tokens)

@@ -30,8 +30,10 @@ from typing import Any
 from keras_transformer import artifacts, run_data
 from keras_transformer.train_flags import (
     DEFAULT_MAX_STEPS,
+    StepBudget,
     UsageError,
     build_parser,
+    step_budget,
     validate_args,
 )
 
@@ -48,6 +50,7 @@ def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
         "data": args.data, "src": args.src, "tgt": args.tgt, "train_split": args.train_split,
         "prepared": args.prepared, "tokenizer_sample": args.tokenizer_sample,
         "model": model, "tokens_per_batch": args.tokens_per_batch,
+        "accumulate": args.accumulate, "tokens_per_step": args.tokens_per_step,
         "max_length": args.max_length, "label_smoothing": args.label_smoothing,
         "warmup_steps": args.warmup_steps, "lr_scale": args.lr_scale, "seed": args.seed,
         "checkpoint_every": args.checkpoint_every,
@@ -62,10 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_data.log_pipelines_to_stdout()
     try:
         model_config = validate_args(args)
-        corpora = run_data.load_corpora(args)
-        config = run_config(args, model_config)
         from keras_transformer import distribution
 
+        # Before any other TF work (multi-worker needs it), and before the corpora: the
+        # step's budget depends on the replicas and is refused before anything is read.
+        strategy = distribution.select_strategy()
+        budget = step_budget(args, strategy.num_replicas_in_sync)
+        corpora = run_data.load_corpora(args)
+        config = run_config(args, model_config)
         chief = distribution.is_chief()
         if chief:
             mode = artifacts.inspect_run_dir(args.out, config["identity"],
@@ -76,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = scan = None
         if mode != "finished":
             prepared = run_data.find_prepared(args, corpora, will_overwrite=mode == "fresh")
+            if args.dry_run:
+                dry_run(args, model_config, corpora, budget, mode, prepared)
+                return 0
             if prepared is None and chief:  # the one pass over the text, before anything exists
                 scan = run_data.scan_training_text(args, corpora["train"], say)
     except ValueError as error:  # UsageError, RunDirError, a malformed TF_CONFIG
@@ -88,7 +98,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{results.get('bleu')}); pass --overwrite to train again.")
         return 0
 
-    strategy = distribution.select_strategy()  # before any other TF op (multi-worker needs it)
     if chief:
         if mode == "fresh" and out.exists():
             shutil.rmtree(out)  # --overwrite of a run directory (checked above)
@@ -103,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = run_data.training_data(args, corpora["train"], prepared, scan, chief, say)
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
-        outcome = train_model(args, config, corpora, data, strategy, out, home, started)
+        outcome = train_model(args, config, corpora, data, strategy, budget, out, home, started)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         if chief and mode == "fresh":
@@ -122,12 +131,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     return finish(args, config, corpora, outcome)
 
 
+def dry_run(args: argparse.Namespace, model_config, corpora: dict[str, Any], budget: StepBudget,
+            mode: str, prepared) -> None:
+    """Prints what the command would do (`--dry-run`); everything was checked, nothing made."""
+    out = Path(args.out)
+    backup_state = out / artifacts.BACKUP_DIR / "state.json"
+    resume_step = (artifacts.read_json(backup_state).get("step", 0)
+                   if backup_state.is_file() else 0)
+    run = {"fresh": "new" + (" (the existing one is deleted: --overwrite)" if out.exists() else ""),
+           "resume": f"resumes an interrupted run at step {resume_step}",
+           "finished": "already trained (nothing to do)",
+           "worker": "written by the chief"}[mode]
+    splits = "; ".join(f"{role} split {corpus.split!r}: {len(corpus):,} pairs"
+                       for role in ("val", "test") if (corpus := corpora.get(role)) is not None)
+    where = run_data.prepared_dir(args)
+    data = (f"found, {prepared.pairs:,} pairs in {prepared.num_shards} shard(s)" if prepared
+            else f"prepared once from split {args.train_split!r} (vocabulary {args.vocab_size}, "
+            f"max length {args.max_length})")
+    model = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(model_config).items())
+    steps = (f"{args.epochs:g} epoch(s)" if args.epochs
+             else f"{args.max_steps or DEFAULT_MAX_STEPS} steps")
+    say(f"dry run: nothing was created or trained.\n"
+        f"  run directory  {out}: {run}\n"
+        f"  data           {args.data} {args.src}->{args.tgt}; {splits}\n"
+        f"  prepared data  {where}: {data}\n"
+        f"  model          {args.preset} preset: {model}\n"
+        f"  step           {budget.describe()}\n"
+        f"  schedule       {steps}"
+        + (f" or {args.max_minutes:g} min" if args.max_minutes else "")
+        + f", warmup {args.warmup_steps}, lr scale {args.lr_scale:g}, label smoothing "
+        f"{args.label_smoothing:g}\n"
+        f"  checkpoints    every {args.checkpoint_every} steps, the last {args.average_last} "
+        f"averaged; test BLEU with beam {args.beam}, alpha {args.alpha:g}")
+
+
 def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
-                prepared, strategy, out: Path, home: Path, started: float) -> dict[str, Any]:
+                prepared, strategy, budget: StepBudget, out: Path, home: Path,
+                started: float) -> dict[str, Any]:
     """Pipelines, model and `model.fit`; returns what `finish` reports.
 
-    `out` is the run directory (read for resuming), `home` where this worker writes (`out`
-    on the chief, a scratch folder on other workers), `started` when the command started.
+    `budget` spreads each optimizer step over replicas and accumulated micro-batches; Keras
+    steps are micro-batches, every other count (schedule, checkpoints, resume) is of
+    optimizer steps. `out` is the run directory (read for resuming), `home` where this
+    worker writes (`out` on the chief, a scratch folder on other workers), `started` when
+    the command started.
     """
     import keras
     import tensorflow as tf
@@ -138,18 +185,16 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     from keras_transformer.model import build_transformer
     from keras_transformer.precision import resolve_jit, resolve_precision
     from keras_transformer.schedule import paper_adam
-    from pipelines.batching import check_budget, make_batches
+    from pipelines.batching import make_batches
 
     keras.utils.set_random_seed(args.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
     precision, jit = resolve_precision(args.precision, gpus), resolve_jit(args.jit_compile, gpus)
-    replicas = strategy.num_replicas_in_sync
-    try:
-        check_budget(args.tokens_per_batch, args.max_length, replicas)
-    except ValueError as error:
-        raise UsageError(f"--tokens-per-batch: {error}") from None
+    replicas, accumulate = strategy.num_replicas_in_sync, budget.accumulate
     tokenizer = prepared.tokenizer()
     config.update(precision=precision, jit_compile=jit, replicas=replicas,
+                  step_budget={**dataclasses.asdict(budget),
+                               "tokens_per_step": budget.tokens_per_step},
                   tokenizer_vocab_size=tokenizer.vocab_size,
                   prepared={"directory": str(prepared.directory.resolve()),
                             "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
@@ -164,6 +209,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
             loss=distribution.GlobalTokenCrossEntropy(args.label_smoothing),
             metrics=[MaskedAccuracy(), Perplexity(), cb.TokenCount()],
             jit_compile=jit,
+            accumulate_steps=accumulate,
         )
         model.optimizer.build(model.trainable_variables)
     # Resume: every worker restores the chief's backup (a shared filesystem is assumed).
@@ -175,7 +221,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
             state = artifacts.read_json(out / artifacts.BACKUP_DIR / "state.json")
     step = cb.global_step(model)
 
-    batching = dict(tokenizer=tokenizer, tokens_per_batch=args.tokens_per_batch,
+    batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
                     max_length=args.max_length, seed=args.seed)
     contexts: list[tf.distribute.InputContext] = []
 
@@ -184,9 +230,10 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         # The stream is seeded and its shards' batch counts known, so a resumed run starts
         # exactly where the interrupted one was, reading one shard (no replay).
         per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
-        return prepared.batches(tokens_per_batch=args.tokens_per_batch,
+        return prepared.batches(tokens_per_batch=budget.global_micro_batch,
                                 max_length=args.max_length, seed=args.seed,
-                                input_context=context, skip_batches=step * per_pipeline)
+                                input_context=context,
+                                skip_batches=step * accumulate * per_pipeline)
 
     train_data = strategy.distribute_datasets_from_function(train_batches)
     context = contexts[0]
@@ -206,10 +253,10 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         lambda ctx: make_batches(corpora["val"], shuffle=False, input_context=ctx, **batching)
         .repeat().take(val_steps * per_pipeline))
 
-    if args.epochs:
-        per_epoch = sum(len(ends) for ends in prepared.shard_batches(args.tokens_per_batch,
-                                                                     args.max_length))
-        max_steps = max(1, math.ceil(args.epochs * per_epoch))
+    if args.epochs:  # micro-batches of one replica per epoch, over replicas x accumulate
+        micro_batches = sum(len(ends) for ends in prepared.shard_batches(budget.micro_batch,
+                                                                         args.max_length))
+        max_steps = max(1, math.ceil(args.epochs * micro_batches / (replicas * accumulate)))
     else:
         max_steps = args.max_steps or DEFAULT_MAX_STEPS
     validate_every = args.validate_every or args.checkpoint_every
@@ -230,9 +277,10 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
         say("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
     say(f"training {model.count_params():,} parameters ({args.preset} preset, vocabulary "
-        f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {replicas} replica(s), "
-        f"{precision}, XLA {'on' if jit else 'off'}, steps {step} -> {max_steps}, "
-        f"{args.tokens_per_batch} tokens/step; one Keras epoch = {interval} steps")
+        f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {budget.describe()}; "
+        f"{precision}, XLA {'on' if jit else 'off'}, steps {step} -> {max_steps}; one Keras "
+        f"epoch = {interval} steps" + (f" = {interval * accumulate} micro-batches"
+                                       if accumulate > 1 else ""))
     distribution.build_for_distributed_fit(
         model, next(iter(make_batches(corpora["val"], shuffle=False, **batching))))
     # A run that already ended (but was killed while evaluating) is not trained further.
@@ -241,7 +289,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     if not done:
         model.fit(
             train_data, epochs=math.ceil(max_steps / interval), initial_epoch=step // interval,
-            steps_per_epoch=interval, validation_data=val_data,
+            steps_per_epoch=interval * accumulate, validation_data=val_data,
             validation_freq=validate_every // interval, callbacks=callbacks,
             verbose=args.verbose if args.verbose is not None else ("auto" if sys.stdout.isatty()
                                                                   else 2),

@@ -7,6 +7,7 @@ Everything here runs before any work starts: argparse types refuse malformed val
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from keras_transformer.precision import JIT_CHOICES, PRECISIONS
@@ -100,7 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "read it from this path (shared), waiting up to "
                    f"{PREPARE_WAIT_SECONDS // 3600} h for the chief to prepare it")
     g.add_argument("--tokens-per-batch", type=positive_int, default=4096,
-                   help="global token budget per step, split over replicas")
+                   help="PER REPLICA: most tokens in one micro-batch on one device (sentences "
+                   "x padded length, source or target, whichever is longer): what must fit in "
+                   "a device's memory, as fairseq's --max-tokens")
+    g.add_argument("--accumulate", type=positive_int,
+                   help="micro-batches per optimizer step (gradient accumulation, fairseq's "
+                   "--update-freq); default 1, or what --tokens-per-step needs")
+    g.add_argument("--tokens-per-step", type=positive_int,
+                   help="GLOBAL: tokens of one optimizer step over all replicas and "
+                   "micro-batches (paper: 25000). Sets --accumulate to ceil(this / "
+                   "(--tokens-per-batch x replicas)) and each micro-batch to this / (replicas x "
+                   "accumulate), so the same command makes the same step on 1 or 8 devices")
     g = p.add_argument_group("model (overrides of the preset)")
     g.add_argument("--preset", default="small", choices=("tiny", "small", "base", "big"),
                    help="small: 3 layers, d_model 256 (Multi30k); base/big: paper Table 3")
@@ -155,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require an interrupted run to resume (it is resumed anyway if found)")
     g.add_argument("--verbose", type=int, choices=(0, 1, 2),
                    help="Keras progress: 1 bar, 2 one line per interval (default: 1 on a tty)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags, the corpus' splits, the run directory and the step's "
+                   "token budget on this machine's replicas, print the plan, and exit without "
+                   "creating or training anything")
     return p
 
 
@@ -191,7 +206,15 @@ def validate_args(args: argparse.Namespace):
     validate_data_flags(args)
     if args.tokens_per_batch < args.max_length:
         raise UsageError(f"--tokens-per-batch {args.tokens_per_batch} is below --max-length "
-                         f"{args.max_length}: a longest pair would not fit in a batch")
+                         f"{args.max_length}: a longest pair would not fit in a micro-batch; "
+                         f"the smallest valid value is {args.max_length}")
+    if args.tokens_per_step is not None and args.accumulate is not None:
+        raise UsageError("give --accumulate or --tokens-per-step, not both (--tokens-per-step "
+                         "chooses the accumulation)")
+    if args.tokens_per_step is not None and args.tokens_per_step < args.max_length:
+        raise UsageError(f"--tokens-per-step {args.tokens_per_step} is below --max-length "
+                         f"{args.max_length}: a longest pair would not fit in a step; the "
+                         f"smallest valid value is {args.max_length} (on one replica)")
     if args.overwrite and args.resume:
         raise UsageError("--overwrite and --resume contradict each other")
     overrides = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
@@ -199,3 +222,53 @@ def validate_args(args: argparse.Namespace):
         return transformer_config(args.preset, **overrides)
     except ValueError as error:
         raise UsageError(f"model: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBudget:
+    """How one optimizer step's tokens are spread: on each of `replicas` devices,
+    `accumulate` micro-batches of at most `micro_batch` tokens each (5.1: ~25,000 source and
+    25,000 target tokens a step, over 8 GPUs)."""
+
+    micro_batch: int
+    replicas: int
+    accumulate: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The step's token budget over all replicas and micro-batches."""
+        return self.micro_batch * self.replicas * self.accumulate
+
+    @property
+    def global_micro_batch(self) -> int:
+        """One micro-step's budget over all replicas: the global `tokens_per_batch` that
+        `pipelines.batching` splits over replicas."""
+        return self.micro_batch * self.replicas
+
+    def describe(self) -> str:
+        return (f"{self.replicas} replica(s) x {self.accumulate} micro-batch(es) of <= "
+                f"{self.micro_batch} tokens = {self.tokens_per_step} tokens per step")
+
+
+def step_budget(args: argparse.Namespace, replicas: int) -> StepBudget:
+    """The step's budget for `replicas` replicas (checked flags: see `validate_args`).
+
+    Raises:
+        UsageError: a micro-batch would be smaller than --max-length, naming the flag and
+            its smallest valid value.
+    """
+    if args.tokens_per_step is None:
+        return StepBudget(args.tokens_per_batch, replicas, args.accumulate or 1)
+    total = args.tokens_per_step
+    accumulate = math.ceil(total / (args.tokens_per_batch * replicas))
+    micro_batch = total // (replicas * accumulate)
+    if micro_batch < args.max_length:
+        # With this accumulation it takes replicas x accumulate x max_length; fewer
+        # micro-batches would need a step below `total`.
+        smallest = replicas * accumulate * args.max_length
+        raise UsageError(
+            f"--tokens-per-step {total} over {replicas} replica(s) x {accumulate} micro-batch(es) "
+            f"leaves {micro_batch} tokens per micro-batch, below --max-length {args.max_length}: "
+            f"a longest pair would not fit; the smallest valid --tokens-per-step from {total} "
+            f"up on {replicas} replica(s) is {smallest}")
+    return StepBudget(micro_batch, replicas, accumulate)

@@ -60,8 +60,13 @@ def test_help_documents_every_flag():
                  "--max-length", "--max-steps", "--epochs", "--max-minutes", "--out",
                  "--export-dir", "--seed", "--precision", "--jit-compile", "--average-last",
                  "--checkpoint-every", "--validate-every", "--patience", "--beam", "--alpha",
-                 "--test-split", "--val-split", "--no-export", "--resume", "--overwrite"):
+                 "--test-split", "--val-split", "--no-export", "--resume", "--overwrite",
+                 "--accumulate", "--tokens-per-step", "--dry-run"):
         assert flag in text, flag
+    # Each token budget says whether it is per replica or global.
+    flat = " ".join(text.split())
+    assert "--tokens-per-batch TOKENS_PER_BATCH PER REPLICA:" in flat
+    assert "--tokens-per-step TOKENS_PER_STEP GLOBAL:" in flat
 
 
 @pytest.mark.parametrize(
@@ -70,7 +75,13 @@ def test_help_documents_every_flag():
         (["--data", "{missing}"], "does not exist"),
         (["--src", "fr"], "fr"),
         (["--d-model", "30", "--num-heads", "4"], "divisible"),
-        (["--tokens-per-batch", "16"], "--max-length"),
+        (["--tokens-per-batch", "16"], "--max-length 32: a longest pair would not fit in a "
+         "micro-batch; the smallest valid value is 32"),
+        (["--tokens-per-step", "20"], "the smallest valid value is 32"),
+        (["--accumulate", "2", "--tokens-per-step", "2048"], "not both"),
+        # 3 micro-batches of 30 tokens: below --max-length, refused with the next valid step.
+        (["--tokens-per-batch", "40", "--tokens-per-step", "90"],
+         "the smallest valid --tokens-per-step from 90 up on 1 replica(s) is 96"),
         (["--max-steps", "5", "--epochs", "1"], "not both"),
         (["--val-split", "nosuch"], "nosuch"),
         (["--resume"], "no run to resume"),
@@ -91,6 +102,18 @@ def test_semantic_errors_exit_2_with_one_line_and_no_run_dir(tmp_path, capsys, f
     assert not out.exists()
 
 
+def test_dry_run_prints_the_plan_and_creates_nothing(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=30)
+    out = tmp_path / "run"
+    argv = ["--data", str(data), *TINY, "--tokens-per-step", "1200", "--out", str(out)]
+    assert main([*argv, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "dry run: nothing was created" in printed
+    assert "1 replica(s) x 3 micro-batch(es) of <= 400 tokens = 1200 tokens per step" in printed
+    assert f"{out}: new" in printed and "prepared once from split 'train'" in printed
+    assert not out.exists()
+
+
 def test_a_vocabulary_too_large_for_the_corpus_leaves_no_run_dir(tmp_path, capsys):
     data = write_toy_corpus(tmp_path / "corpus", pairs=30)
     out = tmp_path / "run"
@@ -103,7 +126,8 @@ def test_a_vocabulary_too_large_for_the_corpus_leaves_no_run_dir(tmp_path, capsy
 
 
 @pytest.mark.parametrize("flags", [["--max-steps", "-3"], ["--dropout", "1.5"],
-                                   ["--precision", "fp8"], ["--checkpoint-every", "0"]])
+                                   ["--precision", "fp8"], ["--checkpoint-every", "0"],
+                                   ["--accumulate", "0"], ["--tokens-per-step", "-5"]])
 def test_argparse_refuses_bad_values_with_exit_2(tmp_path, flags):
     with pytest.raises(SystemExit) as raised:
         main(["--data", str(tmp_path), *TINY, "--out", str(tmp_path / "run"), *flags])

@@ -126,7 +126,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_workers_train_via_the_cli_and_only_the_chief_writes(tmp_path):
+def test_two_workers_accumulating_train_via_the_cli_and_only_the_chief_writes(tmp_path):
     data = write_toy_corpus(tmp_path / "corpus")
     out, export = tmp_path / "run", tmp_path / "export"
     workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
@@ -141,6 +141,7 @@ def test_two_workers_train_via_the_cli_and_only_the_chief_writes(tmp_path):
             [sys.executable, "-m", "keras_transformer.train", "--data", str(data),
              "--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
              "--max-steps", "6", "--checkpoint-every", "3", "--tokens-per-batch", "512",
+             "--tokens-per-step", "2048",  # 2 workers x 2 accumulated micro-batches of 512
              "--max-length", "32", "--precision", "float32", "--beam", "1",
              "--export-dir", str(export), "--out", str(out)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -149,6 +150,8 @@ def test_two_workers_train_via_the_cli_and_only_the_chief_writes(tmp_path):
         assert process.returncode == 0, log[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 6 and results["replicas"] == 2
+    budget = json.loads((out / "config.json").read_text())["step_budget"]
+    assert budget == {"micro_batch": 512, "replicas": 2, "accumulate": 2, "tokens_per_step": 2048}
     assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*")) == [
         "ckpt-00000003.weights.h5", "ckpt-00000006.weights.h5"]
     assert (out / "model.keras").is_file()

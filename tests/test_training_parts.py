@@ -3,6 +3,7 @@ counter, the step/time limit, the global-token loss on one device, strategy sele
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -22,6 +23,7 @@ from keras_transformer.distribution import GlobalTokenCrossEntropy, cluster_spec
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import resolve_jit, resolve_precision
+from keras_transformer.train_flags import UsageError, step_budget
 
 
 def _model_with_constant_weights(value: float):
@@ -169,3 +171,32 @@ def test_chief_from_tf_config(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {**cluster, "chief": ["c:3"]},
                                                 "task": {"type": "worker", "index": 0}}))
     assert not is_chief()
+
+
+@pytest.mark.parametrize(
+    ("flags", "replicas", "expected"),
+    [
+        # The paper's step on 1, 2 and 8 devices with the same flags: ~25,000 tokens.
+        (dict(tokens_per_step=25000), 1, (3571, 7, 24997)),
+        (dict(tokens_per_step=25000), 2, (3125, 4, 25000)),
+        (dict(tokens_per_step=25000), 8, (3125, 1, 25000)),
+        (dict(accumulate=4), 2, (4096, 4, 32768)),
+        (dict(), 8, (4096, 1, 32768)),
+    ],
+)
+def test_step_budget_spreads_a_step_over_replicas_and_micro_batches(flags, replicas, expected):
+    args = argparse.Namespace(**{"tokens_per_batch": 4096, "max_length": 128,
+                                 "tokens_per_step": None, "accumulate": None, **flags})
+    budget = step_budget(args, replicas)
+    assert (budget.micro_batch, budget.accumulate, budget.tokens_per_step) == expected
+    assert budget.replicas == replicas
+    assert budget.global_micro_batch == budget.micro_batch * replicas
+
+
+def test_step_budget_refuses_micro_batches_below_max_length_naming_the_smallest_step():
+    args = argparse.Namespace(tokens_per_batch=4096, max_length=128, tokens_per_step=200,
+                              accumulate=None)
+    with pytest.raises(UsageError, match="from 200 up on 2 replica.s. is 256"):
+        step_budget(args, 2)
+    args.tokens_per_step = 256
+    assert step_budget(args, 2).micro_batch == 128

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -18,10 +19,10 @@ from tests.test_training_cli import REPO, TINY, cli_env, write_toy_corpus
 STEPS, EVERY = 30, 10
 
 
-def _command(data: Path, out: Path) -> list[str]:
+def _command(data: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TINY,
             "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--test-split", "none",
-            "--no-export", "--out", str(out)]
+            "--no-export", "--out", str(out), *extra]
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -67,5 +68,62 @@ def test_sigkill_mid_run_then_same_command_resumes_to_the_same_result(tmp_path):
     assert actual["averaged_steps"] == expected["averaged_steps"]
     # Same seed, same data stream position, restored optimizer state: the same losses up to
     # float round-off (CPU kernels are deterministic here; 1e-4 leaves room for oneDNN).
+    assert _losses(resumed) == pytest.approx(_losses(reference), rel=1e-4)
+    assert actual["averaged_val_loss"] == pytest.approx(expected["averaged_val_loss"], rel=1e-4)
+
+
+# The train command, SIGKILLing itself right after its KILL_AT-th micro-batch (a callback
+# placed there by this test only): a kill at an exactly known point inside an update.
+KILLED_AFTER_A_MICRO_BATCH = textwrap.dedent(
+    """
+    import os, signal, sys
+    from keras_transformer import callbacks
+    from keras_transformer.train import main
+
+    trained = 0
+    original = callbacks.FirstStepTimer.on_train_batch_end
+
+    def on_train_batch_end(self, batch, logs=None):
+        global trained
+        original(self, batch, logs)
+        trained += 1
+        if trained == int(os.environ["KILL_AT"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks.FirstStepTimer.on_train_batch_end = on_train_batch_end
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_killed_between_micro_batches_of_one_update_resumes_without_half_or_double_updates(
+        tmp_path):
+    accumulate = 2
+    data = write_toy_corpus(tmp_path / "corpus")
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    flags = ("--accumulate", str(accumulate))
+    uninterrupted = subprocess.Popen(_command(data, reference, *flags), cwd=REPO, env=cli_env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Killed after update 12 and the first micro-batch of update 13; the last backup is at 10.
+    kill_at = accumulate * (EVERY + 2) + 1
+    command = _command(data, resumed, *flags)
+    victim = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_MICRO_BATCH, *command[3:]],
+                            cwd=REPO, env=cli_env(KILL_AT=str(kill_at)), capture_output=True,
+                            text=True, timeout=300)
+    assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
+    assert json.loads((resumed / "backup" / "state.json").read_text())["step"] == EVERY
+
+    finished = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                              timeout=300)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
+    assert f"steps {EVERY} -> {STEPS}" in finished.stdout
+    log = uninterrupted.communicate(timeout=300)[0]
+    assert uninterrupted.returncode == 0, log[-3000:]
+    expected = json.loads((reference / "results.json").read_text())
+    actual = json.loads((resumed / "results.json").read_text())
+    assert actual["steps"] == expected["steps"] == STEPS
+    # Neither the half-accumulated update 13 nor updates 11-12 leaked into the resumed run:
+    # it trained the same updates on the same micro-batches as the uninterrupted one.
     assert _losses(resumed) == pytest.approx(_losses(reference), rel=1e-4)
     assert actual["averaged_val_loss"] == pytest.approx(expected["averaged_val_loss"], rel=1e-4)
