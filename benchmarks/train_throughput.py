@@ -7,6 +7,7 @@ FLOPs / step time / matmul peak of the same precision. FLOP formula: benchmarks/
     python benchmarks/train_throughput.py                       # small, 64 x 32 x 32, bf16 + fp32
     python benchmarks/train_throughput.py --preset base --lengths 16 32 64 --precision mixed_bfloat16
     python benchmarks/train_throughput.py --real-data ../shared/data/multi30k   # + Multi30k
+    python benchmarks/train_throughput.py --precision mixed_bfloat16 --accumulate 4   # + issue 14
 
 Training uses the fused CPU kernels unless KERAS_TRANSFORMER_FUSED_KERNELS=off (each case
 reports `fused_kernels`); `benchmarks/fused_kernels_ab.py` compares the two in one process.
@@ -15,6 +16,11 @@ With `--real-data`, also trains on Multi30k train (de->en) through the real pipe
 tokenizer, bucketed batches of 4,096 tokens): after `--real-warmup` steps (every new batch
 shape is traced), `--real-steps` timed steps; reports real (non-PAD) and padded target
 tokens/s, the padding efficiency of those batches, and MFU over their padded shapes.
+
+With `--accumulate N`, also compares, in the same process and interleaved round by round,
+one optimizer step on one batch of N x `--batch` sentences against the same step accumulated
+over N micro-batches of `--batch` sentences (`Transformer.compile(accumulate_steps=N)`):
+target tokens/s of each (median over rounds) and their ratio.
 """
 
 from __future__ import annotations
@@ -57,15 +63,65 @@ def matmul_peak(dtype: str, size: int = 4096, repeats: int = 5) -> float:
     return 2 * size**3 / statistics.median(times)
 
 
-def _compiled_model(preset: str, precision: str, vocab_size: int, jit_compile: bool):
+def _compiled_model(preset: str, precision: str, vocab_size: int, jit_compile: bool,
+                    accumulate_steps: int = 1):
     """A freshly initialised model (seed 0), compiled with the paper's Adam and loss."""
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(0)
     config = transformer_config(preset, vocab_size=vocab_size)
     model = build_transformer(preset, vocab_size=vocab_size)
     model.compile(optimizer=paper_adam(config.d_model), loss=LabelSmoothedCrossEntropy(0.1),
-                  jit_compile=jit_compile)
+                  jit_compile=jit_compile, accumulate_steps=accumulate_steps)
     return model, config
+
+
+def _synthetic_batch(batch: int, length: int, vocab_size: int, seed: int):
+    rng = np.random.default_rng(seed)
+    source = rng.integers(4, vocab_size, (batch, length), dtype=np.int32)
+    target = rng.integers(4, vocab_size, (batch, length), dtype=np.int32)
+    return ({"source": tf.constant(source), "target": tf.constant(target)},
+            tf.constant(np.roll(target, -1, axis=1)))
+
+
+def accumulation_case(preset: str, precision: str, batch: int, length: int, accumulate: int,
+                      vocab_size: int, rounds: int, steps: int, warmup: int) -> dict:
+    """Optimizer steps of `accumulate` x `batch` sentences: one batch vs accumulated."""
+    whole_model, _ = _compiled_model(preset, precision, vocab_size, False)
+    micro_model, _ = _compiled_model(preset, precision, vocab_size, False, accumulate)
+    micro = [_synthetic_batch(batch, length, vocab_size, seed) for seed in range(accumulate)]
+    whole = (
+        {k: tf.concat([m[0][k] for m in micro], axis=0) for k in ("source", "target")},
+        tf.concat([m[1] for m in micro], axis=0),
+    )
+
+    def one_batch_step():
+        whole_model.train_on_batch(*whole)
+
+    def accumulated_step():
+        for features, labels in micro:
+            micro_model.train_on_batch(features, labels)
+
+    for _ in range(warmup):
+        one_batch_step()
+        accumulated_step()
+    times = {"one_batch": [], "accumulated": []}
+    for _ in range(rounds):  # interleaved, so that both see the same machine state
+        for name, step in (("one_batch", one_batch_step), ("accumulated", accumulated_step)):
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - start) / steps)
+    assert int(micro_model.optimizer.iterations) == int(whole_model.optimizer.iterations)
+    keras.mixed_precision.set_global_policy("float32")
+    tokens = accumulate * batch * length
+    rates = {name: tokens / statistics.median(seconds) for name, seconds in times.items()}
+    return {
+        "case": "accumulation", "preset": preset, "precision": precision,
+        "step": f"{accumulate} x {batch} sentences x {length} tokens", "rounds": rounds,
+        "one_batch_target_tokens_per_s": round(rates["one_batch"], 1),
+        "accumulated_target_tokens_per_s": round(rates["accumulated"], 1),
+        "accumulated_over_one_batch": round(rates["accumulated"] / rates["one_batch"], 3),
+    }
 
 
 def train_case(preset: str, precision: str, batch: int, source_length: int, target_length: int,
@@ -154,6 +210,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--jit-compile", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=0,
+                        help="also compare N accumulated micro-batches with one batch of N x "
+                        "--batch sentences (at the first of --lengths)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (accumulate)")
     parser.add_argument("--real-data", help="Multi30k folder: also measure the real pipeline")
     parser.add_argument("--real-warmup", type=int, default=60)
     parser.add_argument("--real-steps", type=int, default=100)
@@ -167,6 +227,12 @@ def main() -> None:
             case = train_case(args.preset, precision, args.batch, length, length,
                               args.vocab_size, args.steps, args.warmup, args.jit_compile)
             case["mfu"] = round(case["achieved_gflops"] * 1e9 / peaks[precision], 3)
+            cases.append(case)
+            print(json.dumps(case), file=sys.stderr)
+        if args.accumulate > 1:
+            case = accumulation_case(args.preset, precision, args.batch, args.lengths[0],
+                                     args.accumulate, args.vocab_size, args.rounds,
+                                     max(1, args.steps // 4), args.warmup)
             cases.append(case)
             print(json.dumps(case), file=sys.stderr)
         if args.real_data:
