@@ -11,6 +11,8 @@ the same command again resumes an interrupted run from its last backup.
 
 Keras "epochs" here are fixed intervals of optimizer steps over an endless, seeded batch
 stream (see `keras_transformer.callbacks`), which is what makes mid-run resumption exact.
+With gradient accumulation (`--accumulate`, `--tokens-per-step`) Keras' steps are
+micro-batches, `accumulate` of them per optimizer step (`keras_transformer.accumulation`).
 """
 
 from __future__ import annotations
