@@ -21,6 +21,8 @@ the loss is normalised by the target tokens of all of them, not a mean of N mean
 The accumulators live in memory only: save and restore at update boundaries (the train
 command does: its checkpoints and backups fall on multiples of the update). A micro-batch
 whose update was interrupted before it was applied is simply trained again on resume.
+Each `fit` and each `load_weights` starts from empty accumulators: micro-batches that did
+not complete an update (a `fit` whose steps are not a multiple of N) are discarded.
 """
 
 from __future__ import annotations
@@ -65,6 +67,17 @@ class GradientAccumulator:
                           for v in self.variables]
         self.tokens = local((), "float32", "accumulated_tokens")
         self.pending = 0  # micro-batches accumulated since the last update
+        # Variables the loss does not reach (None gradients), found when tracing: the
+        # optimizer gets None for them, as from an ordinary step, and leaves them alone.
+        self._without_gradient: set[int] = set()
+
+    def reset(self) -> None:
+        """Discards a partly accumulated update."""
+        if self.pending:
+            for accumulated in self.gradients:
+                accumulated.assign(tf.zeros_like(accumulated.value))
+            self.tokens.assign(0.0)
+        self.pending = 0
 
     def micro_step(self, model: keras.Model, data) -> dict:
         """One micro-batch on this replica: forward, backward, accumulate (no communication).
@@ -83,8 +96,11 @@ class GradientAccumulator:
             scaled = model.optimizer.scale_loss(mean)
         model._loss_tracker.update_state(mean, sample_weight=tokens)
         gradients = tape.gradient(scaled, self.variables)
-        for accumulated, gradient in zip(self.gradients, gradients, strict=True):
-            if gradient is not None:
+        for index, (accumulated, gradient) in enumerate(
+                zip(self.gradients, gradients, strict=True)):
+            if gradient is None:
+                self._without_gradient.add(index)
+            else:
                 accumulated.assign_add(tf.cast(gradient, tf.float32) * tokens)
         self.tokens.assign_add(tokens)
         return model.compute_metrics(x, y, y_pred, sample_weight=None)
@@ -98,7 +114,8 @@ class GradientAccumulator:
         if context is not None and context.num_replicas_in_sync > 1:
             tokens = context.all_reduce(tf.distribute.ReduceOp.SUM, tokens)
         inverse = 1.0 / tf.maximum(tokens, 1.0)
-        optimizer.apply([g.value * inverse for g in self.gradients], self.variables)
+        optimizer.apply([None if index in self._without_gradient else g.value * inverse
+                         for index, g in enumerate(self.gradients)], self.variables)
         for accumulated in self.gradients:
             accumulated.assign(tf.zeros_like(accumulated.value))
         self.tokens.assign(0.0)

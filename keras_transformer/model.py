@@ -23,6 +23,7 @@ from keras_transformer.layers import (
     PositionalEmbedding,
     padding_mask,
 )
+from keras_transformer.loss_scaling import LossScaleOptimizer
 
 PAD_ID = 0
 
@@ -310,9 +311,29 @@ class Transformer(keras.Model):
                 accumulate_steps < 1):
             raise ValueError(f"accumulate_steps must be a positive integer, got "
                              f"{accumulate_steps!r}")
-        super().compile(*args, **kwargs)
-        self._accumulator = (GradientAccumulator(self, accumulate_steps)
-                             if accumulate_steps > 1 else None)
+        self._accumulator = None
+        optimizer = kwargs.pop("optimizer", args[0] if args else "rmsprop")
+        if self.dtype_policy.name == "mixed_float16" and isinstance(
+                optimizer, keras.optimizers.Optimizer) and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer):
+            # Instead of keras' own (which compile would add): skipped updates count as
+            # steps and replicas skip together (keras_transformer.loss_scaling).
+            optimizer = LossScaleOptimizer(optimizer)
+        super().compile(optimizer, *args[1:], **kwargs)
+        if accumulate_steps > 1:
+            self._accumulator = GradientAccumulator(self, accumulate_steps)
+
+    def fit(self, *args, **kwargs):
+        """`keras.Model.fit`; with `accumulate_steps` > 1 each `fit` starts a fresh update."""
+        if getattr(self, "_accumulator", None) is not None:
+            self._accumulator.reset()
+        return super().fit(*args, **kwargs)
+
+    def load_weights(self, *args, **kwargs):
+        """`keras.Model.load_weights`; a partly accumulated update is discarded."""
+        if getattr(self, "_accumulator", None) is not None:
+            self._accumulator.reset()
+        return super().load_weights(*args, **kwargs)
 
     @property
     def accumulate_steps(self) -> int:

@@ -220,6 +220,11 @@ def check_resumed_data(out: Path, config: dict[str, Any]) -> None:
             raise UsageError(f"{out} was trained on prepared data with {key} {before.get(key)!r}, "
                              f"{now['directory']} has {now[key]!r}: resume with the original "
                              "--prepared data, or start another run")
+    if "step_budget" not in recorded and recorded.get("replicas", 1) > 1:
+        raise UsageError(f"{out} was started on {recorded['replicas']} replicas when "
+                         "--tokens-per-batch was a global budget (it is now per replica): its "
+                         "steps cannot be continued as they were; start it again with "
+                         "--overwrite, or another --out")
     if recorded.get("replicas") not in (None, config["replicas"]):
         print(f"note: resuming with {config['replicas']} replica(s) instead of "
               f"{recorded['replicas']}: the per-replica batches from here on differ from an "

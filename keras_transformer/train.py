@@ -183,16 +183,29 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
 
     from keras_transformer import callbacks as cb
     from keras_transformer import distribution
+    from keras_transformer.kernels import fused_kernels
+    from keras_transformer.loss_scaling import LossScaleOptimizer
     from keras_transformer.losses import MaskedAccuracy, Perplexity
     from keras_transformer.model import build_transformer
-    from keras_transformer.precision import resolve_jit, resolve_precision
+    from keras_transformer.precision import gpu_capabilities, resolve_jit, resolve_precision
     from keras_transformer.schedule import paper_adam
-    from pipelines.batching import make_batches
+    from pipelines.batching import make_batches, xla_bucket_boundaries
 
     keras.utils.set_random_seed(args.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
-    precision, jit = resolve_precision(args.precision, gpus), resolve_jit(args.jit_compile, gpus)
+    precision = resolve_precision(args.precision, gpu_capabilities())
+    jit = resolve_jit(args.jit_compile, gpus)
+    fused = not jit and fused_kernels() is not None  # XLA-compiled steps use TF ops
     replicas, accumulate = strategy.num_replicas_in_sync, budget.accumulate
+    # XLA compiles one step per batch shape: coarser buckets, every batch padded to its
+    # bucket's full shape (pipelines.batching.xla_bucket_boundaries).
+    shapes = dict(bucket_boundaries=xla_bucket_boundaries(args.max_length),
+                  static_shapes=True) if jit else {}
+    if jit:
+        config["train_batch_shapes"] = len(prepared.static_shapes(
+            budget.micro_batch, args.max_length, bucket_boundaries=shapes["bucket_boundaries"]))
+        say(f"XLA: the training batches come in {config['train_batch_shapes']} shapes (each "
+            "compiled once)")
     tokenizer = prepared.tokenizer()
     config.update(precision=precision, jit_compile=jit, replicas=replicas,
                   step_budget={**dataclasses.asdict(budget),
@@ -206,14 +219,18 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
 
     with strategy.scope():
         model = build_transformer(**config["model"], dtype=precision)
+        optimizer = paper_adam(model.config.d_model, args.warmup_steps, args.lr_scale)
+        if precision == "mixed_float16":  # steps skipped on overflow still count as steps
+            optimizer = LossScaleOptimizer(optimizer, initial_scale=args.initial_loss_scale)
         model.compile(
-            optimizer=paper_adam(model.config.d_model, args.warmup_steps, args.lr_scale),
+            optimizer=optimizer,
             loss=distribution.GlobalTokenCrossEntropy(args.label_smoothing),
             metrics=[MaskedAccuracy(), Perplexity(), cb.TokenCount()],
             jit_compile=jit,
             accumulate_steps=accumulate,
         )
-        model.optimizer.build(model.trainable_variables)
+        if not model.optimizer.built:  # (accumulation builds it; building twice duplicates)
+            model.optimizer.build(model.trainable_variables)
     # Resume: every worker restores the chief's backup (a shared filesystem is assumed).
     backup = out / artifacts.BACKUP_DIR / "latest.weights.h5"
     state: dict[str, Any] = {}
@@ -224,7 +241,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     step = cb.global_step(model)
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
-                    max_length=args.max_length, seed=args.seed)
+                    max_length=args.max_length, seed=args.seed, **shapes)
     contexts: list[tf.distribute.InputContext] = []
 
     def train_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -235,7 +252,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         return prepared.batches(tokens_per_batch=budget.global_micro_batch,
                                 max_length=args.max_length, seed=args.seed,
                                 input_context=context,
-                                skip_batches=step * accumulate * per_pipeline)
+                                skip_batches=step * accumulate * per_pipeline, **shapes)
 
     train_data = strategy.distribute_datasets_from_function(train_batches)
     context = contexts[0]
@@ -256,8 +273,8 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         .repeat().take(val_steps * per_pipeline))
 
     if args.epochs:  # micro-batches of one replica per epoch, over replicas x accumulate
-        micro_batches = sum(len(ends) for ends in prepared.shard_batches(budget.micro_batch,
-                                                                         args.max_length))
+        micro_batches = sum(len(ends) for ends in prepared.shard_batches(
+            budget.micro_batch, args.max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
         max_steps = max(1, math.ceil(args.epochs * micro_batches / (replicas * accumulate)))
     else:
         max_steps = args.max_steps or DEFAULT_MAX_STEPS
@@ -305,8 +322,17 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         "best_val_loss": checkpointer.best_val_loss
         if math.isfinite(checkpointer.best_val_loss) else None,
         "best_step": checkpointer.best_step, "replicas": replicas,
-        "precision": precision, "jit_compile": jit,
+        "workers": distribution.num_workers(), "precision": precision, "jit_compile": jit,
+        "fused_kernels": fused, **loss_scaling_state(model.optimizer),
     }
+
+
+def loss_scaling_state(optimizer) -> dict[str, Any]:
+    """The loss scale and the updates it skipped (mixed_float16), else None for both."""
+    if not hasattr(optimizer, "skipped_updates"):
+        return {"loss_scale": None, "skipped_updates": None}
+    return {"loss_scale": float(optimizer.dynamic_scale.numpy()),
+            "skipped_updates": int(optimizer.skipped_updates.numpy())}
 
 
 def _count(dataset) -> int:
@@ -381,8 +407,9 @@ def finish(args: argparse.Namespace, config: dict, corpora: dict, outcome: dict)
         "averaged_val_loss": val_losses["averaged"],
         "best_checkpoint_val_loss": val_losses.get("best"),
         "final_weights": final,
-        "precision": outcome["precision"], "jit_compile": outcome["jit_compile"],
-        "replicas": outcome["replicas"],
+        **{key: outcome[key] for key in ("precision", "loss_scale", "skipped_updates",
+                                         "replicas", "workers", "jit_compile",
+                                         "fused_kernels")},
     }
     test = corpora.get("test")
     if test is not None:
@@ -407,7 +434,12 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
     say(f"\n{line}\ntrained {results['steps']} steps in {results['training_seconds'] / 60:.1f} "
         f"min ({results['stop_reason']}); {results['tokens_per_sec']:.0f} target tokens/s, "
         f"{results['replicas']} replica(s), {results['precision']}, "
-        f"XLA {'on' if results['jit_compile'] else 'off'}")
+        f"XLA {'on' if results['jit_compile'] else 'off'}, fused kernels "
+        f"{'on' if results['fused_kernels'] else 'off'}")
+    if results.get("skipped_updates") is not None:
+        say(f"loss scaling: {results['skipped_updates']} of {results['steps']} updates skipped "
+            f"for overflow (each still counted as a step); final loss scale "
+            f"{results['loss_scale']:g}")
     if results["best_val_loss"] is not None:
         say(f"validation loss (Keras metric, batch means averaged): best "
             f"{results['best_val_loss']:.4f} at step {results['best_step']}")

@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{PREPARE_WAIT_SECONDS // 3600} h for the chief to prepare it")
     g.add_argument("--tokens-per-batch", type=positive_int, default=4096,
                    help="PER REPLICA: most tokens in one micro-batch on one device (sentences "
-                   "x padded length, source or target, whichever is longer): what must fit in "
-                   "a device's memory, as fairseq's --max-tokens")
+                   "x padded length, source or target, whichever is longer, as fairseq's "
+                   "--max-tokens counts): what must fit in a device's memory")
     g.add_argument("--accumulate", type=positive_int,
                    help="micro-batches per optimizer step (gradient accumulation, fairseq's "
                    "--update-freq); default 1, or what --tokens-per-step needs")
@@ -139,12 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_non_negative_int, default=0,
                    help="seeds initialization, shuffling and the vocabulary")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="auto: mixed_bfloat16 on CPUs with AVX512_BF16/AMX, mixed_float16 "
-                   "on GPUs, float32 otherwise")
+                   help="auto: mixed_bfloat16 on GPUs of compute capability >= 8.0 and on CPUs "
+                   "with AVX512_BF16/AMX, mixed_float16 (dynamic loss scaling) on older GPUs, "
+                   "float32 otherwise")
+    g.add_argument("--initial-loss-scale", type=_positive_float, default=2.0**15,
+                   help="mixed_float16 only: the dynamic loss scale's start. A step whose "
+                   "gradients overflow changes nothing and halves it, and still counts as a "
+                   "step (results.json: skipped_updates)")
     g.add_argument("--jit-compile", choices=JIT_CHOICES, default="auto",
-                   help="XLA-compile the train step. auto = off: every new batch shape (about "
-                   "55 per Multi30k epoch) costs a ~13 s compilation on CPU, which the ~2x "
-                   "faster compiled steps repay only after roughly an hour")
+                   help="XLA-compile the train step: auto = on with GPUs, off on CPUs (slower "
+                   "there: BENCHMARKS.md). With XLA, batches come in a bounded set of shapes "
+                   "(coarser buckets, full batches), each compiled once")
     g = p.add_argument_group("checkpoints, validation, outputs")
     g.add_argument("--out", required=True, help="run directory")
     g.add_argument("--checkpoint-every", type=positive_int, default=200,
@@ -169,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true",
                    help="check the flags, the corpus' splits, the run directory and the step's "
                    "token budget on this machine's replicas, print the plan, and exit without "
-                   "creating or training anything")
+                   "creating or training anything (a tfds: corpus that is not there yet is "
+                   "still downloaded and prepared by tensorflow-datasets)")
     return p
 
 

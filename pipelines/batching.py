@@ -45,6 +45,8 @@ __all__ = [
     "check_budget",
     "chunk_stream",
     "default_bucket_boundaries",
+    "xla_bucket_boundaries",
+    "static_shapes",
     "make_batches",
     "padding_efficiency",
     "plan_batches",
@@ -76,6 +78,43 @@ def default_bucket_boundaries(max_length: int) -> list[int]:
         else:
             length = int(np.ceil(length * 1.1))
     return [*boundaries, max_length]
+
+
+def xla_bucket_boundaries(max_length: int) -> list[int]:
+    """Coarser buckets for XLA-compiled steps: every 4th length up to 32, every 8th up to 64,
+    then x1.25 (multiples of 8), then max_length. With ``static_shapes`` every batch of a
+    bucket has one shape, so an epoch compiles at most ``len(boundaries)`` step shapes
+    (15 for max_length 128) instead of hundreds.
+    """
+    boundaries, length = [], 4
+    while length < max_length:
+        boundaries.append(length)
+        if length < 32:
+            length += 4
+        elif length < 64:
+            length += 8
+        else:
+            length = int(np.ceil(length * 1.25 / 8) * 8)
+    return [*boundaries, max_length]
+
+
+def static_shapes(ends: np.ndarray, histogram: np.ndarray, boundaries: Sequence[int],
+                  budget: int) -> set[tuple[int, int]]:
+    """The ``(B, width)`` shapes of planned batches padded to static shapes: each batch is
+    ``budget // b`` rows of ``b`` positions, ``b`` the bucket of its longest pair.
+
+    Args:
+      ends: :func:`plan_batches` of ``histogram``.
+      histogram: pairs per length (:func:`position_histogram`).
+      boundaries, budget: as given to :func:`plan_batches`.
+    """
+    if not len(ends):
+        return set()
+    cumulative = np.cumsum(np.asarray(histogram, np.int64))
+    per_bucket = cumulative[np.minimum(np.asarray(boundaries), len(cumulative) - 1)]
+    buckets = np.searchsorted(per_bucket, np.asarray(ends) - 1, side="right")
+    widths = np.asarray(boundaries)[buckets]
+    return {(budget // int(w), int(w)) for w in widths}
 
 
 def check_budget(
@@ -216,6 +255,7 @@ def chunk_stream(
     repeat: bool,
     start: StreamPosition = StreamPosition(),  # noqa: B008 (immutable)
     epoch_seeds: tf.data.Dataset | None = None,
+    static_budget: int | None = None,
 ) -> tf.data.Dataset:
     """Batches of a sequence of chunks (see the module docstring).
 
@@ -232,6 +272,9 @@ def chunk_stream(
       epoch_seeds: optional int64 scalars to use as epoch numbers for shuffling instead
         of ``start.epoch, start.epoch + 1, ...`` (with ``tf.data.Dataset.random`` each
         pass over a finite dataset is reshuffled).
+      static_budget: the per-replica token budget, for static shapes (XLA): every batch
+        is padded to ``static_budget // b`` rows (all-PAD rows added) of ``b`` positions on
+        both sides, ``b`` the bucket of its longest pair; see :func:`static_shapes`.
 
     Returns:
       ``({"source", "target"}, labels)`` batches as in the module docstring.
@@ -297,6 +340,14 @@ def chunk_stream(
         source_in = tf.concat([source, eos], axis=1)
         target_in = tf.concat([bos, target], axis=1)
         labels = tf.concat([target, eos], axis=1)
+        if static_budget is not None:
+            longest = tf.maximum(tf.reduce_max(source_in.row_lengths()),
+                                 tf.reduce_max(target_in.row_lengths()))
+            width = boundary_table[tf.searchsorted(boundary_table, tf.reshape(longest, [1]))[0]]
+            shape = tf.stack([static_budget // width, width])
+            return ({"source": source_in.to_tensor(PAD_ID, shape=shape),
+                     "target": target_in.to_tensor(PAD_ID, shape=shape)},
+                    labels.to_tensor(PAD_ID, shape=shape))
         return ({"source": _pad_to_boundary(source_in, boundary_table),
                  "target": _pad_to_boundary(target_in, boundary_table)},
                 _pad_to_boundary(labels, boundary_table))
@@ -337,6 +388,7 @@ def make_batches(
     repeat: bool = False,
     input_context: tf.distribute.InputContext | None = None,
     bucket_boundaries: Sequence[int] | None = None,
+    static_shapes: bool = False,
 ) -> tf.data.Dataset:
     """Batches of an in-memory ``corpus`` (validation, tests, notebooks).
 
@@ -363,6 +415,8 @@ def make_batches(
       bucket_boundaries: increasing bucket upper bounds (positions) at most
         ``max_length``; ``max_length`` is appended if missing. Default:
         :func:`default_bucket_boundaries`.
+      static_shapes: pad every batch to ``budget // b`` rows of ``b`` positions on both
+        sides (``b`` its bucket): one shape per bucket, for XLA (see ``chunk_stream``).
 
     Returns:
       A ``tf.data.Dataset`` of ``({"source": int32 [B, S], "target": int32 [B, T]},
@@ -395,7 +449,8 @@ def make_batches(
     epoch_seeds = (tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
                    if shuffle else None)
     return chunk_stream(1, lambda index: chunk, [ends], boundaries, seed=seed, shuffle=shuffle,
-                        repeat=repeat, epoch_seeds=epoch_seeds)
+                        repeat=repeat, epoch_seeds=epoch_seeds,
+                        static_budget=budget if static_shapes else None)
 
 
 def padding_efficiency(dataset: tf.data.Dataset, max_batches: int | None = None) -> float:

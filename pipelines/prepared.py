@@ -48,6 +48,7 @@ from pipelines.batching import (
     plan_batches,
     position_histogram,
 )
+from pipelines.batching import static_shapes as planned_static_shapes
 from pipelines.corpora import CorpusScan, CorpusSplit, batched_pairs, log_dropped, scan_corpus
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
@@ -167,11 +168,14 @@ class PreparedCorpus:
         return [self._plan(shard, boundaries, budget, max_length)
                 for shard in range(self.num_shards)]
 
+    def _histogram(self, shard: int, max_length: int) -> np.ndarray:
+        """Pairs of one shard per length (positions), up to max_length."""
+        return np.asarray(self.manifest["shards"][shard]["histogram"][:max_length + 1])
+
     def _plan(self, shard: int, boundaries: Sequence[int], budget: int,
               max_length: int) -> np.ndarray:
         """The batch end offsets of one shard, from its length histogram."""
-        histogram = np.asarray(self.manifest["shards"][shard]["histogram"][:max_length + 1])
-        return plan_batches(histogram, boundaries, budget)
+        return plan_batches(self._histogram(shard, max_length), boundaries, budget)
 
     def batches(
         self,
@@ -184,6 +188,7 @@ class PreparedCorpus:
         input_context: tf.distribute.InputContext | None = None,
         skip_batches: int = 0,
         bucket_boundaries: Sequence[int] | None = None,
+        static_shapes: bool = False,
     ) -> tf.data.Dataset:
         """Token-budget batches of the prepared pairs (format of :mod:`pipelines.batching`).
 
@@ -197,7 +202,7 @@ class PreparedCorpus:
             ``n`` reads shards ``i, i + n, ...`` only (sharding by file).
           skip_batches: start after this many batches of this pipeline's stream, at the
             cost of reading one shard (no replay): how a resumed run continues.
-          bucket_boundaries: as :func:`pipelines.batching.make_batches`.
+          bucket_boundaries, static_shapes: as :func:`pipelines.batching.make_batches`.
 
         Raises:
           PreparedError: fewer shards than input pipelines, or a max_length above the
@@ -245,7 +250,21 @@ class PreparedCorpus:
             return tf.gather(rows, sources), tf.gather(rows, sources + 1)
 
         return chunk_stream(len(mine), load_shard, ends, boundaries, seed=stream_seed,
-                            shuffle=shuffle, repeat=repeat, start=start)
+                            shuffle=shuffle, repeat=repeat, start=start,
+                            static_budget=budget if static_shapes else None)
+
+    def static_shapes(self, tokens_per_batch: int, max_length: int, num_replicas: int = 1,
+                      bucket_boundaries: Sequence[int] | None = None) -> set[tuple[int, int]]:
+        """The distinct ``(B, width)`` batch shapes of an epoch with ``static_shapes=True``
+        (:func:`pipelines.batching.static_shapes`): what an XLA-compiled step compiles."""
+        budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
+                                          bucket_boundaries)
+        found: set[tuple[int, int]] = set()
+        for shard in range(self.num_shards):
+            found |= planned_static_shapes(self._plan(shard, boundaries, budget, max_length),
+                                           self._histogram(shard, max_length), boundaries,
+                                           budget)
+        return found
 
 
 def prepare_corpus(

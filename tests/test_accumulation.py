@@ -139,6 +139,28 @@ def test_no_update_before_the_last_micro_batch_of_a_step():
     assert model.accumulate_steps == len(SHAPES)
 
 
+def test_each_fit_and_each_weight_load_starts_a_fresh_update():
+    updates = _updates(1, seed=3)
+    micro = list(_micro_batches(updates))
+
+    def fitted(model, batches):
+        data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=SPEC)
+        model.fit(data, epochs=1, steps_per_epoch=len(batches), verbose=0)
+
+    keras.utils.set_random_seed(0)
+    fresh = build_transformer("tiny", vocab_size=VOCAB)
+    fresh.compile(paper_adam(32, 4, 1.0), loss=LabelSmoothedCrossEntropy(0.1), accumulate_steps=2)
+    initial = fresh.get_weights()
+    fitted(fresh, micro[1:3])
+    keras.utils.set_random_seed(0)
+    model = build_transformer("tiny", vocab_size=VOCAB)
+    model.compile(paper_adam(32, 4, 1.0), loss=LabelSmoothedCrossEntropy(0.1), accumulate_steps=2)
+    fitted(model, micro[:1])  # half an update, never applied
+    assert all(np.array_equal(a, b) for a, b in zip(initial, model.get_weights(), strict=True))
+    fitted(model, micro[1:3])  # a new fit: micro-batch 0 is not part of this update
+    assert _max_difference(fresh.get_weights(), model.get_weights()) == 0.0
+
+
 def test_compile_refuses_what_accumulation_cannot_do():
     model = build_transformer("tiny", vocab_size=VOCAB)
     for steps in (0, -2, 1.5, True):

@@ -708,3 +708,26 @@ def test_prepares_real_multi30k(multi30k_dir, tmp_path):
     result.check_source(split)
     efficiency = padding_efficiency(result.batches(tokens_per_batch=4096), max_batches=200)
     assert efficiency >= 0.90
+
+
+# --- 10. static shapes (XLA) -------------------------------------------------------------------
+
+
+def test_static_shapes_give_one_shape_per_bucket_as_predicted(prepared):
+    from pipelines.batching import xla_bucket_boundaries
+
+    boundaries = xla_bucket_boundaries(MAX_LENGTH)
+    kwargs = dict(tokens_per_batch=BUDGET, max_length=MAX_LENGTH, bucket_boundaries=boundaries)
+    seen, real = set(), 0
+    for source, target, labels in as_numpy(prepared.batches(repeat=False, static_shapes=True,
+                                                            **kwargs)):
+        width = labels.shape[1]
+        assert source.shape == target.shape == labels.shape
+        assert width in boundaries and labels.shape[0] == BUDGET // width
+        seen.add(labels.shape)
+        real += int(np.count_nonzero(labels.any(axis=1)))
+    assert seen == prepared.static_shapes(BUDGET, MAX_LENGTH, bucket_boundaries=boundaries)
+    assert len(seen) <= len(boundaries)
+    # The same pairs as without static shapes: padding rows only were added.
+    assert real == sum(1 for _ in epoch_pairs(prepared, max_length=MAX_LENGTH,
+                                              bucket_boundaries=boundaries))

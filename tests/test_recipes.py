@@ -89,7 +89,8 @@ def test_the_readme_lists_prepare_base_and_big():
 def test_readme_wmt14_commands_pass_validation_and_make_the_papers_step(tmp_path):
     examples = _from_toy({"train": 50})
     _, base, big = readme_recipes()
-    for command, preset, steps in ((base, "base", 100000), (big, "big", 300000)):
+    for command, preset, steps, averaged in ((base, "base", 100000, 5),
+                                             (big, "big", 300000, 20)):
         result = _run_mocked(examples, [*_relocated(command[1:], tmp_path), "--dry-run"])
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         plan = result.stdout
@@ -97,7 +98,7 @@ def test_readme_wmt14_commands_pass_validation_and_make_the_papers_step(tmp_path
         # One CPU replica here: 7 micro-batches of 3,571 tokens, ~25,000 tokens a step.
         assert "1 replica(s) x 7 micro-batch(es) of <= 3571 tokens = 24997 tokens per step" in plan
         assert f"{preset} preset" in plan and f"{steps} steps" in plan
-        assert "beam 4, alpha 0.6" in plan and "the last 5 averaged" in plan
+        assert "beam 4, alpha 0.6" in plan and f"the last {averaged} averaged" in plan
         assert "split 'validation'" in plan and "split 'test'" in plan
     # Nothing was created: no run directory, no prepared data.
     assert not any(p.name.startswith(("runs", "prepared")) for p in tmp_path.iterdir())

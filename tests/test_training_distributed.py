@@ -97,9 +97,11 @@ EQUIVALENCE = textwrap.dedent(
 )
 
 
-def test_two_replicas_match_one_device_on_the_same_global_batch():
+@pytest.mark.parametrize("kernels", ["auto", "off"])  # fused CPU kernels, or TF ops (GPU path)
+def test_two_replicas_match_one_device_on_the_same_global_batch(kernels):
     result = subprocess.run(
-        [sys.executable, "-c", EQUIVALENCE], cwd=REPO, env=cli_env(), capture_output=True,
+        [sys.executable, "-c", EQUIVALENCE], cwd=REPO,
+        env=cli_env(KERAS_TRANSFORMER_FUSED_KERNELS=kernels), capture_output=True,
         text=True, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]

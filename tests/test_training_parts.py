@@ -74,22 +74,27 @@ def test_averaging_refuses_different_architectures(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "gpus", "choice", "expected"),
     [
-        ("fpu avx512f avx512_bf16 amx_tile", 0, "auto", "mixed_bfloat16"),
-        ("fpu avx2 amx_bf16", 0, "auto", "mixed_bfloat16"),
-        ("fpu avx2 avx512f", 0, "auto", "float32"),
-        ("fpu avx2", 2, "auto", "mixed_float16"),
-        ("fpu avx512_bf16", 0, "float32", "float32"),
+        ("fpu avx512f avx512_bf16 amx_tile", [], "auto", "mixed_bfloat16"),
+        ("fpu avx2 amx_bf16", [], "auto", "mixed_bfloat16"),
+        ("fpu avx2 avx512f", [], "auto", "float32"),
+        ("fpu avx2", [(7, 0), (7, 0)], "auto", "mixed_float16"),  # V100: float16 + loss scaling
+        ("fpu avx2", [(8, 0)], "auto", "mixed_bfloat16"),  # A100
+        ("fpu avx2", [(9, 0)] * 8, "auto", "mixed_bfloat16"),  # H100
+        ("fpu avx2", [(8, 6), (7, 5)], "auto", "mixed_float16"),  # mixed: the older decides
+        ("fpu avx512_bf16", [], "float32", "float32"),
+        ("fpu avx2", [(9, 0)], "mixed_float16", "mixed_float16"),
     ],
 )
 def test_precision_auto_follows_the_hardware(tmp_path, flags, gpus, choice, expected):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     assert resolve_precision(choice, gpus, cpuinfo) == expected
-    assert resolve_precision("auto", 0, tmp_path / "missing") == "float32"
+    assert resolve_precision("auto", [], tmp_path / "missing") == "float32"
 
 
-def test_jit_choice():
-    assert resolve_jit("auto", 0) is False and resolve_jit("on", 0) is True
+def test_jit_auto_is_on_with_gpus_and_off_on_cpus():
+    assert resolve_jit("auto", 0) is False and resolve_jit("auto", 8) is True
+    assert resolve_jit("on", 0) is True and resolve_jit("off", 8) is False
     with pytest.raises(ValueError):
         resolve_jit("maybe", 0)
 
@@ -200,3 +205,14 @@ def test_step_budget_refuses_micro_batches_below_max_length_naming_the_smallest_
         step_budget(args, 2)
     args.tokens_per_step = 256
     assert step_budget(args, 2).micro_batch == 128
+
+
+def test_a_run_started_with_a_global_tokens_per_batch_on_replicas_is_not_resumed(tmp_path):
+    from keras_transformer.run_data import check_resumed_data
+
+    prepared = {"directory": "p", "corpus_fingerprint": "f", "shards": 1}
+    (tmp_path / "config.json").write_text(json.dumps({"replicas": 2, "prepared": prepared}))
+    with pytest.raises(UsageError, match="global budget"):
+        check_resumed_data(tmp_path, {"replicas": 2, "prepared": prepared})
+    (tmp_path / "config.json").write_text(json.dumps({"replicas": 1, "prepared": prepared}))
+    check_resumed_data(tmp_path, {"replicas": 1, "prepared": prepared})

@@ -99,23 +99,26 @@ KILLED_AFTER_A_MICRO_BATCH = textwrap.dedent(
 @pytest.mark.slow
 def test_killed_between_micro_batches_of_one_update_resumes_without_half_or_double_updates(
         tmp_path):
-    accumulate = 2
+    # On the TensorFlow-ops path (the fused CPU kernels off), as on a GPU.
+    accumulate, tf_ops = 2, {"KERAS_TRANSFORMER_FUSED_KERNELS": "off"}
     data = write_toy_corpus(tmp_path / "corpus")
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     flags = ("--accumulate", str(accumulate))
-    uninterrupted = subprocess.Popen(_command(data, reference, *flags), cwd=REPO, env=cli_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    uninterrupted = subprocess.Popen(_command(data, reference, *flags), cwd=REPO,
+                                     env=cli_env(**tf_ops), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
     # Killed after update 12 and the first micro-batch of update 13; the last backup is at 10.
     kill_at = accumulate * (EVERY + 2) + 1
     command = _command(data, resumed, *flags)
     victim = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_MICRO_BATCH, *command[3:]],
-                            cwd=REPO, env=cli_env(KILL_AT=str(kill_at)), capture_output=True,
+                            cwd=REPO, env=cli_env(KILL_AT=str(kill_at), **tf_ops),
+                            capture_output=True,
                             text=True, timeout=300)
     assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
     assert json.loads((resumed / "backup" / "state.json").read_text())["step"] == EVERY
 
-    finished = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                              timeout=300)
+    finished = subprocess.run(command, cwd=REPO, env=cli_env(**tf_ops), capture_output=True,
+                              text=True, timeout=300)
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
     assert f"steps {EVERY} -> {STEPS}" in finished.stdout
     log = uninterrupted.communicate(timeout=300)[0]

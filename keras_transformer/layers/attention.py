@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 
@@ -46,9 +47,12 @@ def causal_mask(query_length, key_length, query_offset=0):
     return ops.expand_dims(ops.greater_equal(query_positions, key_positions), 0)
 
 
-# Score of a masked position: very negative but finite in bfloat16 (whose max is ~3.4e38), so a
-# fully masked row gives uniform weights rather than NaN, as keras' masked softmax does.
-_MASKED_SCORE = -1e9
+
+def _masked_score(dtype) -> float:
+    """Score of a masked position: the most negative finite value of `dtype` (float16's is
+    -65504; -1e9 would be -inf there), so a fully masked row gives uniform weights rather
+    than NaN, as keras' masked softmax does."""
+    return float(tf.as_dtype(keras.backend.standardize_dtype(dtype)).min)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -163,7 +167,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         scores = ops.matmul(query_heads * scale, ops.transpose(key_heads, (0, 1, 3, 2)))
         if attention_mask is not None:
             scores = ops.where(ops.expand_dims(attention_mask, 1), scores,
-                               ops.cast(_MASKED_SCORE, scores.dtype))
+                               ops.cast(_masked_score(scores.dtype), scores.dtype))
         weights = ops.softmax(scores, axis=-1)
         attended = ops.matmul(self._dropout_layer(weights, training=training), value_heads)
         return attended, weights
