@@ -144,14 +144,16 @@ def test_two_workers_accumulating_train_via_the_cli_and_only_the_chief_writes(tm
              "--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
              "--max-steps", "6", "--checkpoint-every", "3", "--tokens-per-batch", "512",
              "--tokens-per-step", "2048",  # 2 workers x 2 accumulated micro-batches of 512
-             "--max-length", "32", "--precision", "float32", "--beam", "1",
+             "--max-length", "32", "--precision", "mixed_float16", "--beam", "1",
              "--export-dir", str(export), "--out", str(out)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [process.communicate(timeout=300)[0] for process in processes]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert results["steps"] == 6 and results["replicas"] == 2
+    assert results["steps"] == 6 and results["replicas"] == 2 and results["workers"] == 2
+    # float16 with loss scaling across workers: every skip decision is taken together.
+    assert results["precision"] == "mixed_float16" and results["skipped_updates"] >= 0
     budget = json.loads((out / "config.json").read_text())["step_budget"]
     assert budget == {"micro_batch": 512, "replicas": 2, "accumulate": 2, "tokens_per_step": 2048}
     assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*")) == [
