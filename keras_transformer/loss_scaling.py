@@ -6,14 +6,18 @@ the scale. Two things make Keras' version unfit for this project's training runs
 
 - A skipped update does not count: `iterations` falls behind the batches trained, and with
   it everything that counts steps (checkpoints every N steps, `--max-steps`, the learning
-  rate, the resume position in the data stream). Here a skipped update counts as a step
-  (as PyTorch's `GradScaler` with a per-batch scheduler does): the step count is always the
-  number of batches trained, and `skipped_updates` says how many of them changed nothing.
+  rate, the resume position in the data stream). Here a skipped update counts as a step,
+  as the learning rate of PyTorch's `GradScaler` users does (the scheduler steps every
+  batch): the step count is always the number of batches trained, and `skipped_updates`
+  says how many of them changed nothing. Adam's bias correction counts the skipped steps
+  too; with the paper's beta_2 = 0.98 that shrinks the first update after k early skips to
+  0.5-0.75 of its size and is forgotten within ~100 steps.
 - Each replica decides alone whether its gradients are finite, *before* they are summed
   over replicas (Keras assumes they already were). Under `MirroredStrategy` the first
   replica's verdict is taken for all, so another replica's inf reaches the weights; under
   `MultiWorkerMirroredStrategy` workers can disagree, one entering the update's all-reduce
-  while the other skips it: a hang. Here every replica and worker skips or applies together.
+  while the other skips it: a hang. Here the verdict is all-reduced first: every replica
+  and worker skips or applies together.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer.iterations.assign_add(1)
 
     def check_finite(self, grads):
-        """True if every replica's gradients are finite (one all-reduce where replicas
-        synchronise without `merge_call`; see `_tf_apply` for the others)."""
+        """True if the gradients of every replica (on every worker) are finite. Where replicas
+        synchronise without `merge_call`, one scalar all-reduce here; otherwise `_tf_apply`
+        reduces the replicas' verdicts in cross-replica context."""
         finite = super().check_finite(grads)
         context = tf.distribute.get_replica_context()
         if (context is not None and context.num_replicas_in_sync > 1
@@ -65,11 +70,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._common_apply(grads, trainable_variables=trainable_variables)
             return
 
+        def local_overflow(grads):
+            finite = super(LossScaleOptimizer, self).check_finite(grads)
+            return tf.cast(tf.logical_not(finite), tf.float32)
+
         def handle_cross_replica(distribution, grads, trainable_variables):
-            per_replica = distribution.extended.call_for_each_replica(
-                super(LossScaleOptimizer, self).check_finite, args=(grads,))
-            # Every replica's verdict, not the first one's: the gradients are not yet summed.
-            finite = ops.all(ops.stack(distribution.experimental_local_results(per_replica)))
+            # Every replica's verdict, on every worker (the gradients are not summed yet).
+            overflows = distribution.extended.call_for_each_replica(local_overflow,
+                                                                    args=(grads,))
+            finite = tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, overflows,
+                                                  axis=None), 0.0)
 
             def apply_fn():
                 distribution.extended.call_for_each_replica(

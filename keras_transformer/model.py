@@ -312,10 +312,11 @@ class Transformer(keras.Model):
             raise ValueError(f"accumulate_steps must be a positive integer, got "
                              f"{accumulate_steps!r}")
         self._accumulator = None
-        optimizer = kwargs.pop("optimizer", args[0] if args else "rmsprop")
-        if self.dtype_policy.name == "mixed_float16" and isinstance(
-                optimizer, keras.optimizers.Optimizer) and not isinstance(
-                optimizer, keras.optimizers.LossScaleOptimizer):
+        if args and "optimizer" in kwargs:
+            raise TypeError("compile() got the optimizer both by position and by keyword")
+        optimizer = keras.optimizers.get(kwargs.pop("optimizer", args[0] if args else "rmsprop"))
+        if (self.dtype_policy.name == "mixed_float16" and kwargs.get("auto_scale_loss", True)
+                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
             # Instead of keras' own (which compile would add): skipped updates count as
             # steps and replicas skip together (keras_transformer.loss_scaling).
             optimizer = LossScaleOptimizer(optimizer)

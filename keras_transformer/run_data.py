@@ -225,6 +225,13 @@ def check_resumed_data(out: Path, config: dict[str, Any]) -> None:
                          "--tokens-per-batch was a global budget (it is now per replica): its "
                          "steps cannot be continued as they were; start it again with "
                          "--overwrite, or another --out")
+    for key, flag in (("precision", "--precision"), ("jit_compile", "--jit-compile")):
+        # Another precision changes the optimizer's variables (loss scaling), XLA the
+        # batches: neither run could continue where the other stopped.
+        if recorded.get(key) not in (None, config[key]):
+            value = recorded[key] if key == "precision" else ("on" if recorded[key] else "off")
+            raise UsageError(f"{out} was trained with {key} {recorded[key]!r}, this machine "
+                             f"would use {config[key]!r}: resume with {flag} {value}")
     if recorded.get("replicas") not in (None, config["replicas"]):
         print(f"note: resuming with {config['replicas']} replica(s) instead of "
               f"{recorded['replicas']}: the per-replica batches from here on differ from an "

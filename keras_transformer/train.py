@@ -239,6 +239,9 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         if (out / artifacts.BACKUP_DIR / "state.json").is_file():
             state = artifacts.read_json(out / artifacts.BACKUP_DIR / "state.json")
     step = cb.global_step(model)
+    if state and state.get("step") != step:  # e.g. an optimizer whose variables changed
+        raise UsageError(f"{backup} holds step {step}, {out / artifacts.BACKUP_DIR} says "
+                         f"{state.get('step')}: the backup does not match this run's settings")
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
                     max_length=args.max_length, seed=args.seed, **shapes)

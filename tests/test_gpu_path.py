@@ -75,6 +75,63 @@ def test_an_overflow_on_any_replica_skips_the_update_everywhere_and_still_counts
     assert not np.all(np.isfinite(found["keras"]["weights"]))
 
 
+# One process per worker (TF_CONFIG), one replica each; worker `bad` gets an infinite gradient.
+# Both must skip that update together: a worker that applied it would wait forever in the
+# update's all-reduce for the other.
+WORKER_SKIPS = textwrap.dedent(
+    """
+    import json, os
+    import numpy as np
+    import tensorflow as tf
+    from keras_transformer.distribution import select_strategy
+    strategy = select_strategy()
+    import keras
+    from keras_transformer.loss_scaling import LossScaleOptimizer
+
+    with strategy.scope():
+        weights = keras.Variable(np.ones(3, "float32"))
+        optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        optimizer.build([weights])
+    me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+    @tf.function
+    def step(bad):
+        def replica_step():
+            gradient = tf.fill([3], np.inf) if bad == me else tf.ones([3])
+            optimizer.apply([gradient * optimizer.dynamic_scale], [weights])
+        strategy.run(replica_step)
+
+    for bad in (1, 0, -1):
+        step(bad)
+    print(json.dumps({"weights": [float(w) for w in weights.numpy()],
+                      "steps": int(optimizer.iterations.numpy()),
+                      "skipped": int(optimizer.skipped_updates.numpy())}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_workers_skip_an_overflow_on_either_of_them_together(tmp_path):
+    from tests.test_training_distributed import _free_ports
+
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", WORKER_SKIPS], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env=cli_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers},
+                                          "task": {"type": "worker", "index": index}})))
+        for index in range(2)]
+    try:
+        outputs = [process.communicate(timeout=180) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (out, err) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, err[-3000:]
+        found = json.loads(out.strip().splitlines()[-1])
+        assert found == {"weights": pytest.approx([0.8] * 3), "steps": 3, "skipped": 2}
+
+
 def test_a_float16_model_compiles_with_the_step_counting_loss_scaling():
     from keras_transformer.loss_scaling import LossScaleOptimizer
     from keras_transformer.losses import LabelSmoothedCrossEntropy
