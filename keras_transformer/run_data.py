@@ -228,7 +228,7 @@ def check_resumed_data(out: Path, config: dict[str, Any]) -> None:
     for key, flag in (("precision", "--precision"), ("jit_compile", "--jit-compile")):
         # Another precision changes the optimizer's variables (loss scaling), XLA the
         # batches: neither run could continue where the other stopped.
-        if recorded.get(key) not in (None, config[key]):
+        if None not in (recorded.get(key), config.get(key)) and recorded[key] != config[key]:
             value = recorded[key] if key == "precision" else ("on" if recorded[key] else "off")
             raise UsageError(f"{out} was trained with {key} {recorded[key]!r}, this machine "
                              f"would use {config[key]!r}: resume with {flag} {value}")
