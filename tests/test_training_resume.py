@@ -19,9 +19,10 @@ from tests.test_training_cli import REPO, TINY, cli_env, write_toy_corpus
 STEPS, EVERY = 30, 10
 
 
-def _command(data: Path, out: Path, *extra: str) -> list[str]:
+def _command(data: Path, out: Path, *extra: str, steps: int = STEPS,
+             every: int = EVERY) -> list[str]:
     return [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TINY,
-            "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--test-split", "none",
+            "--max-steps", str(steps), "--checkpoint-every", str(every), "--test-split", "none",
             "--no-export", "--out", str(out), *extra]
 
 
@@ -101,32 +102,34 @@ def test_killed_between_micro_batches_of_one_update_resumes_without_half_or_doub
         tmp_path):
     # On the TensorFlow-ops path (the fused CPU kernels off), as on a GPU.
     accumulate, tf_ops = 2, {"KERAS_TRANSFORMER_FUSED_KERNELS": "off"}
+    steps, every = 12, 4
     data = write_toy_corpus(tmp_path / "corpus")
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     flags = ("--accumulate", str(accumulate))
-    uninterrupted = subprocess.Popen(_command(data, reference, *flags), cwd=REPO,
+    sized = {"steps": steps, "every": every}
+    uninterrupted = subprocess.Popen(_command(data, reference, *flags, **sized), cwd=REPO,
                                      env=cli_env(**tf_ops), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
-    # Killed after update 12 and the first micro-batch of update 13; the last backup is at 10.
-    kill_at = accumulate * (EVERY + 2) + 1
-    command = _command(data, resumed, *flags)
+    # Killed after update 6 and the first micro-batch of update 7; the last backup is at 4.
+    kill_at = accumulate * (every + 2) + 1
+    command = _command(data, resumed, *flags, **sized)
     victim = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_MICRO_BATCH, *command[3:]],
                             cwd=REPO, env=cli_env(KILL_AT=str(kill_at), **tf_ops),
                             capture_output=True,
                             text=True, timeout=300)
     assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
-    assert json.loads((resumed / "backup" / "state.json").read_text())["step"] == EVERY
+    assert json.loads((resumed / "backup" / "state.json").read_text())["step"] == every
 
     finished = subprocess.run(command, cwd=REPO, env=cli_env(**tf_ops), capture_output=True,
                               text=True, timeout=300)
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
-    assert f"steps {EVERY} -> {STEPS}" in finished.stdout
+    assert f"steps {every} -> {steps}" in finished.stdout
     log = uninterrupted.communicate(timeout=300)[0]
     assert uninterrupted.returncode == 0, log[-3000:]
     expected = json.loads((reference / "results.json").read_text())
     actual = json.loads((resumed / "results.json").read_text())
-    assert actual["steps"] == expected["steps"] == STEPS
-    # Neither the half-accumulated update 13 nor updates 11-12 leaked into the resumed run:
+    assert actual["steps"] == expected["steps"] == steps
+    # Neither the half-accumulated update 7 nor updates 5-6 leaked into the resumed run:
     # it trained the same updates on the same micro-batches as the uninterrupted one.
     assert _losses(resumed) == pytest.approx(_losses(reference), rel=1e-4)
     assert actual["averaged_val_loss"] == pytest.approx(expected["averaged_val_loss"], rel=1e-4)
