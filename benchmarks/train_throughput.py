@@ -75,10 +75,12 @@ def _compiled_model(preset: str, precision: str, vocab_size: int, jit_compile: b
     return model, config
 
 
-def _synthetic_batch(batch: int, length: int, vocab_size: int, seed: int):
+def _synthetic_batch(batch: int, length: int, vocab_size: int, seed: int,
+                     target_length: int | None = None):
+    """Random (features, labels) of `batch` pairs, labels = the target shifted left."""
     rng = np.random.default_rng(seed)
     source = rng.integers(4, vocab_size, (batch, length), dtype=np.int32)
-    target = rng.integers(4, vocab_size, (batch, length), dtype=np.int32)
+    target = rng.integers(4, vocab_size, (batch, target_length or length), dtype=np.int32)
     return ({"source": tf.constant(source), "target": tf.constant(target)},
             tf.constant(np.roll(target, -1, axis=1)))
 
@@ -128,12 +130,8 @@ def train_case(preset: str, precision: str, batch: int, source_length: int, targ
                vocab_size: int, steps: int, warmup: int, jit_compile: bool) -> dict:
     """Median step time of `model.train_on_batch` on fixed-shape synthetic data."""
     model, config = _compiled_model(preset, precision, vocab_size, jit_compile)
-    rng = np.random.default_rng(0)
-    source = rng.integers(4, vocab_size, (batch, source_length), dtype=np.int32)
-    target = rng.integers(4, vocab_size, (batch, target_length), dtype=np.int32)
-    labels = np.roll(target, -1, axis=1)
-    inputs = {"source": tf.constant(source), "target": tf.constant(target)}
-    labels = tf.constant(labels)
+    inputs, labels = _synthetic_batch(batch, source_length, vocab_size, seed=0,
+                                      target_length=target_length)
     for _ in range(warmup):
         model.train_on_batch(inputs, labels)
     times = []

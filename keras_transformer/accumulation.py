@@ -74,10 +74,14 @@ class GradientAccumulator:
     def reset(self) -> None:
         """Discards a partly accumulated update."""
         if self.pending:
-            for accumulated in self.gradients:
-                accumulated.assign(tf.zeros_like(accumulated.value))
-            self.tokens.assign(0.0)
+            self._clear()
         self.pending = 0
+
+    def _clear(self) -> None:
+        """Zeroes this replica's accumulators (or all, in cross-replica context)."""
+        for accumulated in self.gradients:
+            accumulated.assign(tf.zeros_like(accumulated.value))
+        self.tokens.assign(0.0)
 
     def micro_step(self, model: keras.Model, data) -> dict:
         """One micro-batch on this replica: forward, backward, accumulate (no communication).
@@ -116,9 +120,7 @@ class GradientAccumulator:
         inverse = 1.0 / tf.maximum(tokens, 1.0)
         optimizer.apply([None if index in self._without_gradient else g.value * inverse
                          for index, g in enumerate(self.gradients)], self.variables)
-        for accumulated in self.gradients:
-            accumulated.assign(tf.zeros_like(accumulated.value))
-        self.tokens.assign(0.0)
+        self._clear()
 
     def make_train_function(self, model: keras.Model, micro_function):
         """`fit`'s train function: `micro_function(iterator)` (Keras' function over

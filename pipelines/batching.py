@@ -62,40 +62,34 @@ _CHUNK_SEED_STRIDE = 1_000_003  # keeps the seeds of chunks, epochs and batch or
 _RNG = "philox"
 
 
+def _bucket_grid(max_length: int, first: int, fine: Sequence[tuple[int, int]], growth: float,
+                 multiple: int = 1) -> list[int]:
+    """Boundaries from ``first``: a fixed ``step`` while below each ``(limit, step)`` of
+    ``fine``, then x``growth`` rounded up to a multiple of ``multiple``, then max_length."""
+    boundaries, length = [], first
+    while length < max_length:
+        boundaries.append(length)
+        step = next((step for limit, step in fine if length < limit), None)
+        length = length + step if step else int(np.ceil(length * growth / multiple) * multiple)
+    return [*boundaries, max_length]
+
+
 def default_bucket_boundaries(max_length: int) -> list[int]:
     """Bucket upper bounds: every length up to 24, every 2nd up to 48, then x1.1, then max_length.
 
     Fine steps where most sentences are keep padding low; geometric growth keeps the
     number of buckets (and distinct batch shapes) small for long sentences.
     """
-    boundaries, length = [], 1
-    while length < max_length:
-        boundaries.append(length)
-        if length < 24:
-            length += 1
-        elif length < 48:
-            length += 2
-        else:
-            length = int(np.ceil(length * 1.1))
-    return [*boundaries, max_length]
+    return _bucket_grid(max_length, 1, ((24, 1), (48, 2)), 1.1)
 
 
 def xla_bucket_boundaries(max_length: int) -> list[int]:
     """Coarser buckets for XLA-compiled steps: every 4th length up to 32, every 8th up to 64,
     then x1.25 (multiples of 8), then max_length. With ``static_shapes`` every batch of a
-    bucket has one shape, so an epoch compiles at most ``len(boundaries)`` step shapes
-    (15 for max_length 128) instead of hundreds.
+    bucket has one shape, so an epoch compiles at most ``len(boundaries)`` step shapes (15
+    for max_length 128; Multi30k's train split: 10, against 25 with the default buckets).
     """
-    boundaries, length = [], 4
-    while length < max_length:
-        boundaries.append(length)
-        if length < 32:
-            length += 4
-        elif length < 64:
-            length += 8
-        else:
-            length = int(np.ceil(length * 1.25 / 8) * 8)
-    return [*boundaries, max_length]
+    return _bucket_grid(max_length, 4, ((32, 4), (64, 8)), 1.25, multiple=8)
 
 
 def static_shapes(ends: np.ndarray, histogram: np.ndarray, boundaries: Sequence[int],

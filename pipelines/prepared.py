@@ -259,10 +259,10 @@ class PreparedCorpus:
         (:func:`pipelines.batching.static_shapes`): what an XLA-compiled step compiles."""
         budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
                                           bucket_boundaries)
+        plans = self.shard_batches(tokens_per_batch, max_length, num_replicas, boundaries)
         found: set[tuple[int, int]] = set()
-        for shard in range(self.num_shards):
-            found |= planned_static_shapes(self._plan(shard, boundaries, budget, max_length),
-                                           self._histogram(shard, max_length), boundaries,
+        for shard, ends in enumerate(plans):
+            found |= planned_static_shapes(ends, self._histogram(shard, max_length), boundaries,
                                            budget)
         return found
 
