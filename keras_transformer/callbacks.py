@@ -137,6 +137,49 @@ class StopAt(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+class AgreedStop(keras.callbacks.Callback):
+    """Makes each stop a decision of every worker, taken between optimizer updates.
+
+    A worker that left `fit` alone would leave the others waiting forever in their next
+    all-reduce, and a stop between the micro-batches of an accumulated update would drop
+    them. So a stop wished by any callback before this one (place it last) waits for the
+    update's end; there, and at each interval's end, `stop_training` becomes the OR of every
+    worker's wish (`agree`). Stops decided from all-reduced values (the step, the loss for
+    NaN, the validation loss for patience) are the same on every worker anyway; the wall
+    clock of `--max-minutes` is not.
+
+    Args:
+        agree: this worker's wish -> whether any worker wishes to stop; a collective where
+            several processes train (`keras_transformer.cluster.any_worker`), else `bool`.
+        stopper: the `StopAt` callback; its `reason` says so when another worker's clock
+            stopped this one.
+    """
+
+    def __init__(self, agree, stopper: StopAt):
+        super().__init__()
+        self.agree = agree
+        self.stopper = stopper
+        self._wished = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._wished = self._wished or bool(self.model.stop_training)
+        if getattr(self.model, "pending_micro_batches", 0):
+            self.model.stop_training = False  # until the update's end
+            return
+        self._settle()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._wished = self._wished or bool(self.model.stop_training)
+        self._settle()
+
+    def _settle(self) -> None:
+        stop = self.agree(self._wished)
+        if stop and not self._wished and not self.stopper.reason:
+            self.stopper.reason = "another worker's --max-minutes clock ran out"
+        self.model.stop_training = stop
+        self._wished = stop
+
+
 def save_model_weights(model: keras.Model, path: str | Path) -> None:
     """Saves only the model's weights (no optimizer slots: a third of the size) as a Keras
     `.weights.h5`, atomically: written under a temporary name, then renamed."""

@@ -1,8 +1,8 @@
-"""Distribution strategy selection, chief/worker roles, and a replica-count-invariant loss.
+"""Distribution strategy selection and a replica-count-invariant loss.
 
 Strategies:
   * `TF_CONFIG` naming two or more tasks -> `MultiWorkerMirroredStrategy` (one process per
-    worker; every worker runs the same command);
+    worker; every worker runs the same command; see `keras_transformer.cluster`);
   * several local GPUs (or several logical CPUs, as the tests configure) -> `MirroredStrategy`;
   * otherwise the default strategy (one device; no mirrored-variable overhead).
 
@@ -23,63 +23,36 @@ reduced across workers, tensorflow/tensorflow#72388).
 
 from __future__ import annotations
 
-import json
-import os
-
 import tensorflow as tf
 from keras import ops
 
+from keras_transformer.cluster import (
+    DEFAULT_JOIN_TIMEOUT,
+    Cluster,
+    read_cluster,
+    start_multi_worker_strategy,
+)
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 
 
-def cluster_spec() -> tuple[dict[str, list[str]], str, int]:
-    """(cluster, task type, task index) from `TF_CONFIG`; ({}, "worker", 0) without it.
-
-    Raises:
-        ValueError: if `TF_CONFIG` is not valid JSON.
-    """
-    raw = os.environ.get("TF_CONFIG", "").strip()
-    if not raw:
-        return {}, "worker", 0
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"TF_CONFIG is not valid JSON: {error}") from None
-    task = config.get("task", {})
-    return config.get("cluster", {}), task.get("type", "worker"), int(task.get("index", 0))
-
-
-def is_multi_worker() -> bool:
-    """True if `TF_CONFIG` describes a cluster of two or more training tasks."""
-    return num_workers() > 1
-
-
-def num_workers() -> int:
-    """How many training processes `TF_CONFIG` describes (chief and workers); 1 without it."""
-    cluster, _, _ = cluster_spec()
-    return max(1, sum(len(cluster.get(kind, [])) for kind in ("chief", "worker")))
-
-
-def is_chief() -> bool:
-    """True for the task that writes checkpoints, logs and exports.
-
-    That is the "chief" task if the cluster has one, else worker 0 (TF's convention).
-    """
-    cluster, task_type, task_index = cluster_spec()
-    if task_type == "chief":
-        return True
-    return "chief" not in cluster and task_type == "worker" and task_index == 0
-
-
-def select_strategy() -> tf.distribute.Strategy:
+def select_strategy(cluster: Cluster | None = None,
+                    join_timeout: float = DEFAULT_JOIN_TIMEOUT) -> tf.distribute.Strategy:
     """The strategy for this machine/cluster (see module docstring).
 
     Must run before other TensorFlow work: `MultiWorkerMirroredStrategy` has to be created
     before the runtime is initialized.
+
+    Args:
+        cluster: the `TF_CONFIG` cluster (read from the environment if None).
+        join_timeout: seconds a worker waits for the others to start.
+
+    Raises:
+        ClusterConfigError: a bad `TF_CONFIG`, a port in use, or a peer that never came up.
     """
-    if is_multi_worker():
+    cluster = read_cluster() if cluster is None else cluster
+    if cluster.is_multi_worker:
         patch_keras_multi_worker_logs()
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        return start_multi_worker_strategy(cluster, join_timeout)
     gpus = tf.config.list_logical_devices("GPU")
     if len(gpus) > 1:
         return tf.distribute.MirroredStrategy([gpu.name for gpu in gpus])

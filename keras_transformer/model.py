@@ -342,6 +342,12 @@ class Transformer(keras.Model):
         accumulator = getattr(self, "_accumulator", None)
         return 1 if accumulator is None else accumulator.steps
 
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches accumulated since the last optimizer update (0 between updates)."""
+        accumulator = getattr(self, "_accumulator", None)
+        return 0 if accumulator is None else accumulator.pending
+
     def make_train_function(self, force: bool = False):
         if getattr(self, "_accumulator", None) is None:
             return super().make_train_function(force)

@@ -17,6 +17,7 @@ from keras_transformer import artifacts
 from keras_transformer.train_flags import PREPARE_WAIT_SECONDS, UsageError
 
 if TYPE_CHECKING:
+    from keras_transformer.cluster import Cluster
     from pipelines.corpora import CorpusScan, CorpusSplit
     from pipelines.prepared import PreparedCorpus
 
@@ -145,38 +146,47 @@ def scan_training_text(args: argparse.Namespace, train_split: CorpusSplit,
 
 
 def training_data(args: argparse.Namespace, train_split: CorpusSplit | None,
-                  prepared: PreparedCorpus | None, scan: CorpusScan | None, chief: bool,
+                  prepared: PreparedCorpus | None, scan: CorpusScan | None, cluster: Cluster,
                   report: Callable[[str], None]) -> PreparedCorpus:
     """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`),
-    or, on other workers, waited for.
+    or, on other workers, read once the chief has it.
+
+    In a multi-worker run every worker waits at one barrier until the chief has the data
+    (up to PREPARE_WAIT_SECONDS); a worker lost meanwhile fails it at once.
 
     Raises:
-        UsageError: the tokenizer cannot be trained, the chief never finished preparing,
-            or there are fewer shards than workers.
+        UsageError: the tokenizer cannot be trained, the chief's data are not visible on
+            this worker, or there are fewer shards than workers.
+        ClusterFailure: a worker was lost, or the chief took longer than the wait.
     """
-    from keras_transformer import distribution
-    from pipelines.prepared import PreparedError, prepare_corpus, wait_for_prepared
+    from keras_transformer.cluster import wait_for_all
+    from pipelines.prepared import PreparedCorpus, PreparedError, prepare_corpus
 
     directory = prepared_dir(args)
-    if prepared is None and chief:
+    if prepared is None and cluster.is_chief:
         report(f"preparing {scan.pairs:,} training pairs into {directory} (once) ...")
         try:
             prepared = prepare_corpus(
                 train_split, directory, vocab_size=args.vocab_size, max_length=args.max_length,
                 tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
-                min_shards=distribution.num_workers(), seed=args.seed, scan=scan)
+                min_shards=cluster.num_workers, seed=args.seed, scan=scan)
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
-    elif prepared is None:
+    if cluster.is_multi_worker:
+        if prepared is None:
+            report(f"waiting for the chief to prepare {directory} ...")
+        wait_for_all("prepared data", PREPARE_WAIT_SECONDS, cluster)
+    if prepared is None:
         try:
-            prepared = wait_for_prepared(directory, PREPARE_WAIT_SECONDS)
+            prepared = PreparedCorpus.load(directory)
         except PreparedError as error:
-            raise UsageError(str(error)) from None
+            raise UsageError(f"{error}; the chief prepared it: is {directory} the same shared "
+                             "path on every machine (or a copy of it)?") from None
         check_prepared(args, prepared)
-    workers = distribution.num_workers()
-    if prepared.num_shards < workers:
-        raise UsageError(f"{directory} has {prepared.num_shards} shard(s) for {workers} workers "
-                         f"(each reads its own); prepare it with --shards {workers} or more")
+    if prepared.num_shards < cluster.num_workers:
+        raise UsageError(f"{directory} has {prepared.num_shards} shard(s) for "
+                         f"{cluster.num_workers} workers (each reads its own); prepare it with "
+                         f"--shards {cluster.num_workers} or more")
     return prepared
 
 

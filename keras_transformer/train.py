@@ -17,6 +17,13 @@ micro-batches, `accumulate` of them per optimizer step (`keras_transformer.accum
 
 from __future__ import annotations
 
+import os
+
+# Before TensorFlow loads (the imports below load it): its C++ log repeats in a screen of
+# lines what this command reports in one (a lost worker, a cluster that did not come up).
+# TF_CPP_MIN_LOG_LEVEL=0 shows it again.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 import argparse
 import dataclasses
 import importlib.util
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_transformer import artifacts, run_data
+from keras_transformer.cluster import ClusterFailure, lost_worker, read_cluster
 from keras_transformer.train_flags import (
     DEFAULT_MAX_STEPS,
     StepBudget,
@@ -67,15 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_data.log_pipelines_to_stdout()
     try:
         model_config = validate_args(args)
+        cluster = read_cluster()
         from keras_transformer import distribution
 
         # Before any other TF work (multi-worker needs it), and before the corpora: the
         # step's budget depends on the replicas and is refused before anything is read.
-        strategy = distribution.select_strategy()
+        strategy = distribution.select_strategy(cluster, args.join_timeout)
         budget = step_budget(args, strategy.num_replicas_in_sync)
         corpora = run_data.load_corpora(args)
         config = run_config(args, model_config)
-        chief = distribution.is_chief()
+        chief = cluster.is_chief
         if chief:
             mode = artifacts.inspect_run_dir(args.out, config["identity"],
                                              overwrite=args.overwrite, resume=args.resume)
@@ -90,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             if prepared is None and chief:  # the one pass over the text, before anything exists
                 scan = run_data.scan_training_text(args, corpora["train"], say)
-    except ValueError as error:  # UsageError, RunDirError, a malformed TF_CONFIG
+    except ValueError as error:  # UsageError, RunDirError, ClusterConfigError
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
@@ -111,19 +120,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every worker must save (variables may need collective reads), only the chief's count.
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
     try:
-        data = run_data.training_data(args, corpora["train"], prepared, scan, chief, say)
+        data = run_data.training_data(args, corpora["train"], prepared, scan, cluster, say)
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
         outcome = train_model(args, config, corpora, data, strategy, budget, out, home, started)
+        outcome["workers"] = cluster.num_workers
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         if chief and mode == "fresh":
             shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
         return 2
+    except Exception as error:  # a collective aborted: another worker was lost
+        failure = error if isinstance(error, ClusterFailure) else lost_worker(error, cluster)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr)
+        return 3
     finally:
         if not chief:
             shutil.rmtree(home, ignore_errors=True)
     if not chief:
+        say(f"{cluster.describe()}: trained to step {outcome['step']} ({outcome['reason']}); "
+            "the chief evaluates and exports")
         return 0
     if outcome["diverged"]:
         print(f"error: the loss became NaN at step {outcome['step']}; lower --lr-scale or raise "
@@ -183,6 +201,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
 
     from keras_transformer import callbacks as cb
     from keras_transformer import distribution
+    from keras_transformer.cluster import any_worker
     from keras_transformer.kernels import fused_kernels
     from keras_transformer.loss_scaling import LossScaleOptimizer
     from keras_transformer.losses import MaskedAccuracy, Perplexity
@@ -298,6 +317,8 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         callbacks.append(keras.callbacks.TensorBoard(str(home / artifacts.LOG_DIR)))
     else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
         say("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
+    # Last: every stop is taken by all workers together, between optimizer updates.
+    callbacks.append(cb.AgreedStop(any_worker(strategy) or bool, stopper))
     say(f"training {model.count_params():,} parameters ({args.preset} preset, vocabulary "
         f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {budget.describe()}; "
         f"{precision}, XLA {'on' if jit else 'off'}, steps {step} -> {max_steps}; one Keras "
@@ -325,7 +346,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         "best_val_loss": checkpointer.best_val_loss
         if math.isfinite(checkpointer.best_val_loss) else None,
         "best_step": checkpointer.best_step, "replicas": replicas,
-        "workers": distribution.num_workers(), "precision": precision, "jit_compile": jit,
+        "precision": precision, "jit_compile": jit,
         "fused_kernels": fused, **loss_scaling_state(model.optimizer),
     }
 

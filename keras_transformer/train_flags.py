@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import math
 
+from keras_transformer.cluster import DEFAULT_JOIN_TIMEOUT, LOST_WORKER_SECONDS
 from keras_transformer.precision import JIT_CHOICES, PRECISIONS
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
 
@@ -176,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "token budget on this machine's replicas, print the plan, and exit without "
                    "creating or training anything (a tfds: corpus that is not there yet is "
                    "still downloaded and prepared by tensorflow-datasets)")
+    g = p.add_argument_group(
+        "several machines (TF_CONFIG)",
+        "Every worker runs the same command with its own TF_CONFIG; worker 0 (or the chief) "
+        "writes the run directory. A malformed TF_CONFIG or a port in use fails at once (exit "
+        "status 2); peers missing after --join-timeout fail with one error naming them (exit "
+        f"2). If a worker dies mid-run, the others exit with status 3 within {LOST_WORKER_SECONDS} "
+        "s instead of waiting forever; "
+        "restarting every worker with the same command resumes from the last backup. Every "
+        "stop (--max-steps, --max-minutes, NaN, --patience) is taken by all workers at the "
+        "same step.")
+    g.add_argument("--join-timeout", type=_positive_float, default=DEFAULT_JOIN_TIMEOUT,
+                   help="seconds each worker waits for all the others to start")
     return p
 
 

@@ -52,8 +52,7 @@ from pipelines.batching import static_shapes as planned_static_shapes
 from pipelines.corpora import CorpusScan, CorpusSplit, batched_pairs, log_dropped, scan_corpus
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
-__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "prepare_corpus",
-           "wait_for_prepared"]
+__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "prepare_corpus"]
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
@@ -363,28 +362,6 @@ def prepare_corpus(
             shutil.rmtree(staging, ignore_errors=True)
     _LOG.info("prepared %d pairs into %d shards in %s (%.0f s)", kept, num_shards, directory,
               time.perf_counter() - started)
-    return PreparedCorpus.load(directory)
-
-
-def wait_for_prepared(directory: str | os.PathLike, timeout_seconds: float,
-                      poll_seconds: float = 2.0) -> PreparedCorpus:
-    """The prepared corpus at ``directory`` once another process has finished preparing it.
-
-    For workers of a multi-machine run, while the chief prepares into a shared path.
-
-    Raises:
-      PreparedError: not complete within ``timeout_seconds``.
-    """
-    deadline = time.monotonic() + timeout_seconds
-    logged = 0.0
-    while not (Path(directory) / MANIFEST_FILE).is_file():
-        if time.monotonic() >= deadline:
-            raise PreparedError(f"{directory}: not prepared after {timeout_seconds:.0f} s; is the "
-                                "chief running, and is this path shared with it?")
-        if time.monotonic() - logged >= 60:
-            _LOG.info("waiting for the chief to prepare %s ...", directory)
-            logged = time.monotonic()
-        time.sleep(poll_seconds)
     return PreparedCorpus.load(directory)
 
 

@@ -112,9 +112,9 @@ WORKER_SKIPS = textwrap.dedent(
 
 @pytest.mark.slow
 def test_workers_skip_an_overflow_on_either_of_them_together(tmp_path):
-    from tests.test_training_distributed import _free_ports
+    from tests.test_cluster import free_ports
 
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = [subprocess.Popen(
         [sys.executable, "-c", WORKER_SKIPS], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,

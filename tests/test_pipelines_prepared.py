@@ -6,7 +6,6 @@ import logging
 import os
 import shutil
 import socket
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,6 @@ from pipelines.prepared import (
     PreparedCorpus,
     PreparedError,
     prepare_corpus,
-    wait_for_prepared,
 )
 from pipelines.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from tests.test_pipelines_batching import as_numpy
@@ -585,27 +583,6 @@ def test_check_source_notices_a_changed_file(folder, prepared, tmp_path):
     shutil.copytree(folder, copy)
     write(copy, "train.en", ["something else"] * (PAIRS + 1))
     prepared.check_source(open_corpus(copy, "train", "de", "en"))
-
-
-def test_wait_for_prepared(prepared, tmp_path):
-    assert wait_for_prepared(prepared.directory, 0).manifest == prepared.manifest
-    with pytest.raises(PreparedError, match="not prepared after"):
-        wait_for_prepared(tmp_path / "never", timeout_seconds=0.05, poll_seconds=0.01)
-    # Another process finishes (a complete directory renamed into place) while we wait.
-    target = tmp_path / "shared"
-    staging = tmp_path / ".shared.tmp-prepare-1-x"
-
-    def finish():
-        shutil.copytree(prepared.directory, staging)
-        os.replace(staging, target)
-
-    timer = threading.Timer(0.2, finish)
-    timer.start()
-    try:
-        waited = wait_for_prepared(target, timeout_seconds=120, poll_seconds=0.05)
-    finally:
-        timer.join()
-    assert waited.manifest == prepared.manifest
 
 
 # --- 7. streaming validation and sampling ---------------------------------------------------

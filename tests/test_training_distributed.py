@@ -1,22 +1,19 @@
-"""Distributed training: 2 replicas == 1 replica on the same global batch; 2 worker processes.
+"""Distributed training: 2 replicas == 1 replica on the same global batch (several worker
+processes: tests/test_cluster.py).
 
-Both run in subprocesses: logical CPU devices must be configured before TensorFlow starts,
-and `MultiWorkerMirroredStrategy` needs one process per worker.
+It runs in a subprocess: logical CPU devices must be configured before TensorFlow starts.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.test_training_cli import REPO, cli_env, write_toy_corpus
+from tests.test_training_cli import REPO, cli_env
 
 # Two logical CPUs under MirroredStrategy vs. the default strategy, same initial weights, same
 # global batches (each the union of two per-replica batches with different token counts).
@@ -114,54 +111,3 @@ def test_two_replicas_match_one_device_on_the_same_global_batch(kernels):
     # The plain per-replica mean loss would differ: the test can tell.
     assert numbers["naive"][1:] != pytest.approx(numbers["one"][1:], rel=1e-3)
     assert numbers["naive_weight_diff"] > 1e-3
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-@pytest.mark.slow
-def test_two_workers_accumulating_train_via_the_cli_and_only_the_chief_writes(tmp_path):
-    data = write_toy_corpus(tmp_path / "corpus")
-    out, export = tmp_path / "run", tmp_path / "export"
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
-    scratch = [tmp_path / "tmp0", tmp_path / "tmp1"]
-    processes = []
-    for index in range(2):
-        scratch[index].mkdir()
-        env = cli_env(TF_CONFIG=json.dumps(
-            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}),
-            TMPDIR=str(scratch[index]))
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "keras_transformer.train", "--data", str(data),
-             "--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
-             "--max-steps", "6", "--checkpoint-every", "3", "--tokens-per-batch", "512",
-             "--tokens-per-step", "2048",  # 2 workers x 2 accumulated micro-batches of 512
-             "--max-length", "32", "--precision", "mixed_float16", "--beam", "1",
-             "--export-dir", str(export), "--out", str(out)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [process.communicate(timeout=300)[0] for process in processes]
-    for process, log in zip(processes, logs, strict=True):
-        assert process.returncode == 0, log[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    assert results["steps"] == 6 and results["replicas"] == 2 and results["workers"] == 2
-    # float16 with loss scaling across workers: every skip decision is taken together.
-    assert results["precision"] == "mixed_float16" and results["skipped_updates"] >= 0
-    budget = json.loads((out / "config.json").read_text())["step_budget"]
-    assert budget == {"micro_batch": 512, "replicas": 2, "accumulate": 2, "tokens_per_step": 2048}
-    assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*")) == [
-        "ckpt-00000003.weights.h5", "ckpt-00000006.weights.h5"]
-    assert (out / "model.keras").is_file()
-    # The non-chief's scratch folder is gone; it wrote nothing anywhere else.
-    assert not any(scratch[1].iterdir()), list(scratch[1].iterdir())
-    assert "BLEU" in logs[0] and "BLEU" not in logs[1]
-    if results.get("export"):
-        assert Path(results["export"]).parent == export
-        assert len(os.listdir(export)) == 1

@@ -19,7 +19,7 @@ from keras_transformer.callbacks import (
     list_checkpoints,
     save_model_weights,
 )
-from keras_transformer.distribution import GlobalTokenCrossEntropy, cluster_spec, is_chief
+from keras_transformer.distribution import GlobalTokenCrossEntropy
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import resolve_jit, resolve_precision
@@ -164,18 +164,6 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     model.optimizer.iterations.assign(50)
     checkpointer.on_epoch_end(4, {"loss": float("nan")})
     assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
-
-
-def test_chief_from_tf_config(monkeypatch):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert is_chief() and cluster_spec() == ({}, "worker", 0)
-    cluster = {"worker": ["a:1", "b:2"]}
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
-                                                "task": {"type": "worker", "index": 1}}))
-    assert not is_chief()
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {**cluster, "chief": ["c:3"]},
-                                                "task": {"type": "worker", "index": 0}}))
-    assert not is_chief()
 
 
 @pytest.mark.parametrize(
