@@ -175,7 +175,8 @@ class AgreedStop(keras.callbacks.Callback):
     def _settle(self) -> None:
         stop = self.agree(self._wished)
         if stop and not self._wished and not self.stopper.reason:
-            self.stopper.reason = "another worker's --max-minutes clock ran out"
+            # Only a worker's own --max-minutes clock (or flags other than ours) can differ.
+            self.stopper.reason = "stopped with another worker (its --max-minutes or --max-steps)"
         self.model.stop_training = stop
         self._wished = stop
 

@@ -9,11 +9,17 @@ the chief, watches the workers. The bounds (measured on 127.0.0.1, TensorFlow 2.
 - **Start.** A worker whose peers do not all come up within `join_timeout` seconds fails
   with one error naming them (the coordination service's registration barrier); a port
   already in use, or a malformed `TF_CONFIG`, fails at once.
-- **A worker dies** (killed, frozen, its machine lost). The coordination service declares it
-  lost when its heartbeats stop for `HEARTBEAT_SECONDS` and aborts every collective; peers
-  that were talking to it directly see their connection reset sooner (~2 s when the chief
-  dies). The survivors raise from the step they are in, within `LOST_WORKER_SECONDS`;
-  `lost_worker` turns that into one `ClusterFailure`.
+- **A worker dies** (killed, crashed, stopped by SIGSTOP, its machine lost). The coordination
+  service declares it lost when its heartbeats (sent by a thread of their own) stop for
+  `HEARTBEAT_SECONDS` and aborts every collective; peers that were talking to it directly
+  see their connection reset sooner (~2 s when the chief dies). The survivors raise from the
+  step they are in, within `LOST_WORKER_SECONDS`; `cluster_error` turns that into one
+  `ClusterFailure`. A process that is alive but stuck (a hung filesystem, a deadlock) still
+  sends heartbeats and is not detected: collectives have no timeout, since a checkpoint or
+  a first compilation can legitimately keep one worker away for minutes.
+- **A worker refuses** (a bad flag, corpus, run directory, or settings other than the
+  chief's: `check_same_settings`). It tells the others (`report_refusal`), which stop at
+  once with its reason (`PeerRefused`) instead of losing its heartbeats.
 - **Waiting for the chief's data.** Workers wait at a coordination barrier (`wait_for_all`),
   which fails as soon as a participant is lost, not after its timeout.
 - **Stopping.** A worker that leaves the training loop alone would leave the others waiting
@@ -50,6 +56,14 @@ class ClusterConfigError(ValueError):
 
 class ClusterFailure(RuntimeError):
     """A started multi-worker run lost a worker; restarting every worker resumes it."""
+
+
+class PeerRefused(ClusterConfigError):
+    """Another worker refused to train (a bad flag, corpus, run directory or setting)."""
+
+
+# Marks the errors `report_refusal` sends to the other workers.
+_REFUSAL = "[keras_transformer refusal] "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +107,8 @@ class Cluster:
         index = self.task_index if index is None else index
         return f"{job} {index} ({self.jobs[job][index]})"
 
-    def leader(self) -> tuple[str, int]:
-        """The task hosting the coordination service (TensorFlow's choice: the chief)."""
+    def chief_task(self) -> tuple[str, int]:
+        """(job, index) of the chief, which also hosts the coordination service."""
         return ("chief", 0) if "chief" in self.jobs else ("worker", 0)
 
 
@@ -139,8 +153,9 @@ def read_cluster(raw: str | None = None) -> Cluster:
     everyone = [a for job in _JOBS for a in jobs.get(job, ())]
     if len(set(everyone)) != len(everyone):
         raise ClusterConfigError(f"TF_CONFIG lists an address twice: {everyone}")
-    if not isinstance(task, dict):
-        raise ClusterConfigError(f'TF_CONFIG "task" must be an object, got {task!r}')
+    if not isinstance(task, dict) or "type" not in task:
+        raise ClusterConfigError('TF_CONFIG has no "task" object naming this process, e.g. '
+                                 '"task": {"type": "worker", "index": 0}')
     task_type, task_index = task.get("type"), task.get("index", 0)
     if task_type not in jobs:
         raise ClusterConfigError(f'TF_CONFIG task type {task_type!r} is not among the '
@@ -200,7 +215,7 @@ def start_multi_worker_strategy(cluster: Cluster, join_timeout: float):
     from tensorflow.python.eager import context
 
     check_port_free(cluster)
-    leader_job, leader_index = cluster.leader()
+    leader_job, leader_index = cluster.chief_task()
     # Configured before the strategy, which then keeps it (it only fills in a missing one):
     # registration as a barrier bounds the wait for peers that never come up.
     context.context().configure_coordination_service(
@@ -232,7 +247,7 @@ def _start_failure(cluster: Cluster, error, join_timeout: float) -> str:
         return (f"the cluster did not come up within {join_timeout:g} s (--join-timeout): "
                 f"{names} never started. Run the same command with its TF_CONFIG on every "
                 "machine of the cluster")
-    leader = cluster.describe(*cluster.leader())
+    leader = cluster.describe(*cluster.chief_task())
     return (f"could not join the cluster within {join_timeout:g} s (--join-timeout) as "
             f"{cluster.describe()}: {leader} did not answer ({_first_line(message)}). Start "
             "the same command on every machine, and check the addresses in TF_CONFIG")
@@ -242,22 +257,92 @@ def _first_line(message: str) -> str:
     return next((line.strip() for line in message.splitlines() if line.strip()), message)
 
 
-def lost_worker(error: BaseException, cluster: Cluster) -> ClusterFailure | None:
-    """The `ClusterFailure` that a TensorFlow error raised in a multi-worker run means: a
-    collective aborted or timed out because a worker was lost; None for other errors."""
+def cluster_error(error: BaseException, cluster: Cluster) -> Exception | None:
+    """What a TensorFlow error raised in a multi-worker run means for the user: another
+    worker refused to train (`PeerRefused`), or a collective aborted or timed out because a
+    worker was lost (`ClusterFailure`); None for other errors and single-process runs."""
     import tensorflow as tf
 
+    message = str(error)
+    if not cluster.is_multi_worker:
+        return None
+    refusal = re.search(re.escape(_REFUSAL) + r"(.*?)(?: \[type\.googleapis|\n|$)", message)
+    if refusal:
+        return PeerRefused(refusal[1])
     lost = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
             tf.errors.AbortedError, tf.errors.CancelledError)
-    message = str(error)
-    if not cluster.is_multi_worker or not (
-            isinstance(error, lost) or "Collective ops is aborted" in message
+    if not (isinstance(error, lost) or "Collective ops is aborted" in message
             or "coordination" in message.lower()):
         return None
     return ClusterFailure(
         f"{cluster.describe()}: the cluster lost a worker ({_lost_task(message, cluster)}), so "
         "this worker stops too rather than wait forever. Restart every worker with the same "
         "command: the run resumes from its last backup")
+
+
+def report_refusal(message: str, cluster: Cluster | None) -> None:
+    """Tells the other workers that this one refuses to train, and why: they stop at once
+    with this message (raised as `PeerRefused` by `cluster_error`) instead of waiting for
+    its heartbeats to stop. Nothing happens if the cluster never started."""
+    if cluster is None or not cluster.is_multi_worker:
+        return
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().report_error_to_cluster(
+            tf.errors.INVALID_ARGUMENT, f"{_REFUSAL}{cluster.describe()} refused to train: "
+            f"{message}")
+    except (ValueError, tf.errors.OpError):
+        pass  # not started (the error came first), or already failed: nobody waits for us
+
+
+def check_same_settings(settings: dict, cluster: Cluster, timeout_seconds: float) -> None:
+    """Refuses to train on settings other than the chief's.
+
+    Workers that disagree (another command, or "auto" precision or XLA resolved otherwise on
+    another machine) would build other variables or batches and wait for each other in
+    different collectives forever. The chief publishes its settings (JSON-able) through the
+    coordination service; the others compare.
+
+    Raises:
+        ClusterConfigError: the settings differ (naming the first differences).
+        ClusterFailure: the chief was lost, or did not publish within `timeout_seconds`.
+    """
+    if not cluster.is_multi_worker:
+        return
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    key, mine = "keras_transformer/settings", _flatten(json.loads(json.dumps(settings)))
+    if cluster.is_chief:
+        context.context().set_config_key_value(key, json.dumps(mine))
+        return
+    try:
+        chief = json.loads(context.context().get_config_key_value(key, int(timeout_seconds * 1000)))
+    except tf.errors.OpError as error:
+        raise cluster_error(error, cluster) or ClusterFailure(
+            f"{cluster.describe()}: the chief's settings did not come within "
+            f"{timeout_seconds:g} s") from None
+    differences = [name for name in sorted(set(mine) | set(chief))
+                   if mine.get(name) != chief.get(name)]
+    if differences:
+        shown = "; ".join(f"{name} {mine.get(name)!r} on {cluster.describe()}, "
+                          f"{chief.get(name)!r} on the chief" for name in differences[:4])
+        raise ClusterConfigError(f"settings differ from the chief's "
+                                 f"({cluster.describe(*cluster.chief_task())}): {shown}. Run "
+                                 "the same command, with the same --precision and "
+                                 "--jit-compile, on every worker")
+
+
+def _flatten(settings: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
 
 
 def _lost_task(message: str, cluster: Cluster) -> str:
@@ -267,7 +352,8 @@ def _lost_task(message: str, cluster: Cluster) -> str:
         return f"{cluster.describe(silent[1], int(silent[2]))} stopped sending heartbeats"
     for job, addresses in cluster.jobs.items():
         for index, address in enumerate(addresses):
-            if address in message and (job, index) != (cluster.task_type, cluster.task_index):
+            mentioned = re.search(re.escape(address) + r"(?!\d)", message)
+            if mentioned and (job, index) != (cluster.task_type, cluster.task_index):
                 return f"{cluster.describe(job, index)} is unreachable"
     return _first_line(message.split("Collective ops is aborted by:")[-1])
 
@@ -277,6 +363,7 @@ def wait_for_all(name: str, timeout_seconds: float, cluster: Cluster) -> None:
 
     Raises:
         ClusterFailure: a worker was lost, or not all came within `timeout_seconds`.
+        PeerRefused: another worker refused to train.
     """
     import tensorflow as tf
     from tensorflow.python.eager import context
@@ -289,8 +376,7 @@ def wait_for_all(name: str, timeout_seconds: float, cluster: Cluster) -> None:
                 error):
             raise ClusterFailure(f"{cluster.describe()}: not every worker reached '{name}' "
                                  f"within {timeout_seconds:g} s") from None
-        failure = lost_worker(error, cluster)
-        raise failure or ClusterFailure(f"{cluster.describe()}: waiting for every worker at "
+        raise cluster_error(error, cluster) or ClusterFailure(f"{cluster.describe()}: waiting for every worker at "
                                         f"'{name}' failed: {_first_line(str(error))}") from None
 
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 
-# Before TensorFlow loads (the imports below load it): its C++ log repeats in a screen of
-# lines what this command reports in one (a lost worker, a cluster that did not come up).
-# TF_CPP_MIN_LOG_LEVEL=0 shows it again.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Before TensorFlow loads (the imports below load it): in a cluster, its C++ log repeats in a
+# screen of lines what this command reports in one (a lost worker, a worker that did not come
+# up). TF_CPP_MIN_LOG_LEVEL=0 shows it again.
+if os.environ.get("TF_CONFIG"):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import dataclasses
@@ -37,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from keras_transformer import artifacts, run_data
-from keras_transformer.cluster import ClusterFailure, lost_worker, read_cluster
+from keras_transformer.cluster import (
+    Cluster,
+    ClusterFailure,
+    PeerRefused,
+    cluster_error,
+    read_cluster,
+    report_refusal,
+)
 from keras_transformer.train_flags import (
     DEFAULT_MAX_STEPS,
     StepBudget,
@@ -73,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     run_data.log_pipelines_to_stdout()
+    cluster = None
     try:
         model_config = validate_args(args)
         cluster = read_cluster()
@@ -93,15 +102,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode = "finished" if finished and not args.overwrite else "worker"
         prepared = scan = None
         if mode != "finished":
-            prepared = run_data.find_prepared(args, corpora, will_overwrite=mode == "fresh")
+            # Other workers read the chief's data once it has them (it may be replacing them).
+            prepared = (run_data.find_prepared(args, corpora, will_overwrite=mode == "fresh")
+                        if chief else None)
             if args.dry_run:
                 dry_run(args, model_config, corpora, budget, mode, prepared)
                 return 0
             if prepared is None and chief:  # the one pass over the text, before anything exists
                 scan = run_data.scan_training_text(args, corpora["train"], say)
     except ValueError as error:  # UsageError, RunDirError, ClusterConfigError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return refuse(error, cluster)
     out = Path(args.out)
     if mode == "finished":
         results = artifacts.read_json(out / artifacts.RESULTS_FILE)
@@ -123,32 +133,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = run_data.training_data(args, corpora["train"], prepared, scan, cluster, say)
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
-        outcome = train_model(args, config, corpora, data, strategy, budget, out, home, started)
-        outcome["workers"] = cluster.num_workers
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        if chief and mode == "fresh":
-            shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
-        return 2
-    except Exception as error:  # a collective aborted: another worker was lost
-        failure = error if isinstance(error, ClusterFailure) else lost_worker(error, cluster)
+        outcome = train_model(args, config, corpora, data, (strategy, cluster), budget, out,
+                              home, started)
+    except Exception as error:
+        # A bad setting here, or another worker's refusal or loss (an aborted collective).
+        failure = error if isinstance(error, ValueError | ClusterFailure) else cluster_error(
+            error, cluster)
         if failure is None:
             raise
-        print(f"error: {failure}", file=sys.stderr)
-        return 3
+        if isinstance(failure, ClusterFailure):
+            print(f"error: {failure}", file=sys.stderr)
+            return 3
+        if chief and mode == "fresh":
+            shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
+        return refuse(failure, cluster)
     finally:
         if not chief:
             shutil.rmtree(home, ignore_errors=True)
-    if not chief:
-        say(f"{cluster.describe()}: trained to step {outcome['step']} ({outcome['reason']}); "
-            "the chief evaluates and exports")
-        return 0
     if outcome["diverged"]:
         print(f"error: the loss became NaN at step {outcome['step']}; lower --lr-scale or raise "
               f"--warmup-steps. Earlier checkpoints are in {out / artifacts.CHECKPOINT_DIR}.",
               file=sys.stderr)
         return 1
+    if not chief:
+        say(f"{cluster.describe()}: trained to step {outcome['step']} ({outcome['reason']}); "
+            "the chief evaluates and exports")
+        return 0
     return finish(args, config, corpora, outcome)
+
+
+def refuse(error: Exception, cluster: Cluster | None) -> int:
+    """Reports a bad command, corpus, run directory or cluster: one line, exit status 2.
+
+    The other workers of a cluster are told (unless the refusal came from them), so that
+    they exit with the same reason at once instead of waiting for this one.
+    """
+    if not isinstance(error, PeerRefused):
+        report_refusal(str(error), cluster)
+    print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 def dry_run(args: argparse.Namespace, model_config, corpora: dict[str, Any], budget: StepBudget,
@@ -186,11 +209,11 @@ def dry_run(args: argparse.Namespace, model_config, corpora: dict[str, Any], bud
 
 
 def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
-                prepared, strategy, budget: StepBudget, out: Path, home: Path,
-                started: float) -> dict[str, Any]:
+                prepared, distributed: tuple[Any, Cluster], budget: StepBudget, out: Path,
+                home: Path, started: float) -> dict[str, Any]:
     """Pipelines, model and `model.fit`; returns what `finish` reports.
 
-    `budget` spreads each optimizer step over replicas and accumulated micro-batches; Keras
+    `distributed` is the strategy and the `TF_CONFIG` cluster it spans; `budget` spreads each optimizer step over replicas and accumulated micro-batches; Keras
     steps are micro-batches, every other count (schedule, checkpoints, resume) is of
     optimizer steps. `out` is the run directory (read for resuming), `home` where this
     worker writes (`out` on the chief, a scratch folder on other workers), `started` when
@@ -201,7 +224,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
 
     from keras_transformer import callbacks as cb
     from keras_transformer import distribution
-    from keras_transformer.cluster import any_worker
+    from keras_transformer.cluster import any_worker, check_same_settings
     from keras_transformer.kernels import fused_kernels
     from keras_transformer.loss_scaling import LossScaleOptimizer
     from keras_transformer.losses import MaskedAccuracy, Perplexity
@@ -210,6 +233,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     from keras_transformer.schedule import paper_adam
     from pipelines.batching import make_batches, xla_bucket_boundaries
 
+    strategy, cluster = distributed
     keras.utils.set_random_seed(args.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
     precision = resolve_precision(args.precision, gpu_capabilities())
@@ -233,6 +257,8 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
                   prepared={"directory": str(prepared.directory.resolve()),
                             "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
                             "pairs": prepared.pairs, "shards": prepared.num_shards})
+    check_same_settings({**config["identity"], **{key: config[key] for key in (
+        "precision", "jit_compile", "replicas", "step_budget")}}, cluster, args.join_timeout)
     run_data.check_resumed_data(out, config)
     artifacts.write_json_atomic(home / artifacts.CONFIG_FILE, config)
 
@@ -318,7 +344,8 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
         say("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
     # Last: every stop is taken by all workers together, between optimizer updates.
-    callbacks.append(cb.AgreedStop(any_worker(strategy) or bool, stopper))
+    agree = any_worker(strategy) or bool
+    callbacks.append(cb.AgreedStop(agree, stopper))
     say(f"training {model.count_params():,} parameters ({args.preset} preset, vocabulary "
         f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {budget.describe()}; "
         f"{precision}, XLA {'on' if jit else 'off'}, steps {step} -> {max_steps}; one Keras "
@@ -327,8 +354,9 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     distribution.build_for_distributed_fit(
         model, next(iter(make_batches(corpora["val"], shuffle=False, **batching))))
     # A run that already ended (but was killed while evaluating) is not trained further.
-    done = (step >= max_steps or state.get("stopped_early")
-            or (stopper.max_seconds is not None and stopper.elapsed_before >= stopper.max_seconds))
+    # (Agreed, as every stop: workers given different --max-minutes could disagree.)
+    done = agree(bool(step >= max_steps or state.get("stopped_early") or (
+        stopper.max_seconds is not None and stopper.elapsed_before >= stopper.max_seconds)))
     if not done:
         model.fit(
             train_data, epochs=math.ceil(max_steps / interval), initial_epoch=step // interval,
@@ -346,6 +374,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         "best_val_loss": checkpointer.best_val_loss
         if math.isfinite(checkpointer.best_val_loss) else None,
         "best_step": checkpointer.best_step, "replicas": replicas,
+        "workers": cluster.num_workers,
         "precision": precision, "jit_compile": jit,
         "fused_kernels": fused, **loss_scaling_state(model.optimizer),
     }

@@ -176,15 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the flags, the corpus' splits, the run directory and the step's "
                    "token budget on this machine's replicas, print the plan, and exit without "
                    "creating or training anything (a tfds: corpus that is not there yet is "
-                   "still downloaded and prepared by tensorflow-datasets)")
+                   "still downloaded and prepared by tensorflow-datasets; with TF_CONFIG, every "
+                   "worker must run it: it joins the cluster to count the replicas)")
     g = p.add_argument_group(
         "several machines (TF_CONFIG)",
         "Every worker runs the same command with its own TF_CONFIG; worker 0 (or the chief) "
         "writes the run directory. A malformed TF_CONFIG or a port in use fails at once (exit "
         "status 2); peers missing after --join-timeout fail with one error naming them (exit "
-        f"2). If a worker dies mid-run, the others exit with status 3 within {LOST_WORKER_SECONDS} "
-        "s instead of waiting forever; "
-        "restarting every worker with the same command resumes from the last backup. Every "
+        "2), and so do all workers when one refuses the command (settings other than the "
+        "chief's, a bad corpus, ...). If a worker dies mid-run, the others exit with status 3 "
+        f"within {LOST_WORKER_SECONDS} s instead of waiting forever; restarting every worker with the same command resumes from the last backup. Every "
         "stop (--max-steps, --max-minutes, NaN, --patience) is taken by all workers at the "
         "same step.")
     g.add_argument("--join-timeout", type=_positive_float, default=DEFAULT_JOIN_TIMEOUT,
