@@ -14,7 +14,8 @@ the chief, watches the workers. The bounds (measured on 127.0.0.1, TensorFlow 2.
   `HEARTBEAT_SECONDS` and aborts every collective; peers that were talking to it directly
   see their connection reset sooner (~2 s when the chief dies). The survivors raise from the
   step they are in, within `LOST_WORKER_SECONDS`; `cluster_error` turns that into one
-  `ClusterFailure`. A process that is alive but stuck (a hung filesystem, a deadlock) still
+  `ClusterFailure`, and the train command leaves without tearing TensorFlow down (which
+  waits for the input pipeline's threads). A process that is alive but stuck (a hung filesystem, a deadlock) still
   sends heartbeats and is not detected: collectives have no timeout, since a checkpoint or
   a first compilation can legitimately keep one worker away for minutes.
 - **A worker refuses** (a bad flag, corpus, run directory, or settings other than the
@@ -350,12 +351,21 @@ def _lost_task(message: str, cluster: Cluster) -> str:
     silent = re.search(r"unhealthy[^\n]*\n\s*/job:(\w+)/replica:\d+/task:(\d+)", message)
     if silent and silent[1] in cluster.jobs:
         return f"{cluster.describe(silent[1], int(silent[2]))} stopped sending heartbeats"
+    for job, index in re.findall(r"remote target /job:(\w+)/replica:\d+/task:(\d+)", message):
+        if job in cluster.jobs and (job, int(index)) != (cluster.task_type, cluster.task_index):
+            return f"{cluster.describe(job, int(index))} is unreachable"
     for job, addresses in cluster.jobs.items():
         for index, address in enumerate(addresses):
             mentioned = re.search(re.escape(address) + r"(?!\d)", message)
             if mentioned and (job, index) != (cluster.task_type, cluster.task_index):
                 return f"{cluster.describe(job, index)} is unreachable"
-    return _first_line(message.split("Collective ops is aborted by:")[-1])
+    cause = _first_line(message.split("Collective ops is aborted by:")[-1])
+    others = [(job, index) for job, addresses in cluster.jobs.items()
+              for index in range(len(addresses)) if (job, index) != (cluster.task_type,
+                                                                     cluster.task_index)]
+    if len(others) == 1:  # the only peer there is
+        return f"{cluster.describe(*others[0])}: {cause}"
+    return cause
 
 
 def wait_for_all(name: str, timeout_seconds: float, cluster: Cluster) -> None:

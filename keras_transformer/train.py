@@ -55,6 +55,8 @@ from keras_transformer.train_flags import (
     validate_args,
 )
 
+EXIT_WORKER_LOST = 3  # another worker was lost: restart every worker to resume
+
 
 def say(*parts: Any) -> None:
     print(*parts, flush=True)
@@ -143,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         if isinstance(failure, ClusterFailure):
             print(f"error: {failure}", file=sys.stderr)
-            return 3
+            return EXIT_WORKER_LOST
         if chief and mode == "fresh":
             shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
         return refuse(failure, cluster)
@@ -518,4 +520,11 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == EXIT_WORKER_LOST:
+        # Aborted collectives leave TensorFlow unusable, and tearing it down waits for the
+        # input pipeline's threads (22 s measured on Multi30k): leave now, within the bound.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -21,6 +21,9 @@ from keras_transformer.cluster import (
     LOST_WORKER_SECONDS,
     Cluster,
     ClusterConfigError,
+    ClusterFailure,
+    PeerRefused,
+    cluster_error,
     read_cluster,
 )
 from tests.test_training_cli import REPO, cli_env, write_toy_corpus
@@ -84,6 +87,39 @@ def test_chief_is_the_chief_task_or_worker_0():
 def test_malformed_tf_config_is_refused_with_what_to_fix(raw, message):
     with pytest.raises(ClusterConfigError, match=message):
         read_cluster(raw)
+
+
+def test_tensorflow_errors_become_one_message_naming_the_worker():
+    import tensorflow as tf
+
+    three = read_cluster(tf_config({"worker": ["127.0.0.1:1001", "127.0.0.1:10012",
+                                               "127.0.0.1:1003"]}, index=0))
+
+    def explain(error_class, message):
+        return cluster_error(error_class(None, None, message), three)
+
+    silent = explain(tf.errors.UnavailableError, "Collective ops is aborted by: The following "
+                     "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/"
+                     "task:2\nThe tasks have crashed.")
+    assert isinstance(silent, ClusterFailure)
+    assert str(silent).startswith("worker 0 (127.0.0.1:1001): the cluster lost a worker (worker "
+                                  "2 (127.0.0.1:1003) stopped sending heartbeats)")
+    assert "Restart every worker with the same command" in str(silent)
+    reset = explain(tf.errors.UnavailableError, "recvmsg:Connection reset by peer\nAdditional "
+                    "GRPC error information from remote target /job:worker/replica:0/task:1 "
+                    "while calling /tensorflow.WorkerService/RecvBuf")
+    assert "(worker 1 (127.0.0.1:10012) is unreachable)" in str(reset)
+    # An address is matched whole: 127.0.0.1:1001 (this worker) is not 127.0.0.1:10012.
+    refused = explain(tf.errors.UnavailableError, "ipv4:127.0.0.1:10012: Connection refused")
+    assert "(worker 1 (127.0.0.1:10012) is unreachable)" in str(refused)
+    refusal = explain(tf.errors.InvalidArgumentError, "Barrier failed because: task is set to "
+                      "ERROR: INVALID_ARGUMENT: [keras_transformer refusal] worker 2 (127.0.0.1:"
+                      "1003) refused to train: --data x: no such folder [type.googleapis.com/x]")
+    assert isinstance(refusal, PeerRefused)
+    assert str(refusal) == "worker 2 (127.0.0.1:1003) refused to train: --data x: no such folder"
+    assert explain(tf.errors.InvalidArgumentError, "Incompatible shapes: [2] vs. [3]") is None
+    one = read_cluster("")
+    assert cluster_error(tf.errors.UnavailableError(None, None, "down"), one) is None
 
 
 # --- every stop agreed, between optimizer updates ----------------------------------------
