@@ -35,6 +35,7 @@ export once its process is gone).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -271,19 +272,35 @@ def _jsonable(config: dict) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m keras_transformer.export --model RUN_DIR --export-base saved_models/NAME`."""
     parser = argparse.ArgumentParser(prog="python -m keras_transformer.export",
-                                     description="Export a run directory for TF Serving.")
+                                     description="Export a run directory for TF Serving "
+                                     "(a versioned SavedModel) or for CTranslate2.")
     parser.add_argument("--model", required=True, help="run directory (model.keras, tokenizer/)")
-    parser.add_argument("--export-base", required=True, help="e.g. saved_models/de-en")
+    parser.add_argument("--export-base", required=True,
+                        help="e.g. saved_models/de-en; with --format ctranslate2, the new "
+                        "CTranslate2 model directory")
+    parser.add_argument("--format", choices=("saved_model", "ctranslate2"),
+                        default="saved_model", help="ctranslate2 needs the `ctranslate2` extra")
+    parser.add_argument("--quantization", help="ctranslate2 only: e.g. int8 (default: float32 "
+                        "weights; CTranslate2 can also quantize when loading)")
     parser.add_argument("--version", type=int, help="default: highest existing + 1")
     parser.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE)
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS)
     parser.add_argument("--max-extra-length", type=int, default=DEFAULT_EXTRA_LENGTH)
     args = parser.parse_args(argv)
+    if args.format == "ctranslate2" and importlib.util.find_spec("ctranslate2") is None:
+        print("export: error: --format ctranslate2 needs the ctranslate2 package: "
+              "pip install -e '.[ctranslate2]'", file=sys.stderr)
+        return 1
     from keras_transformer.artifacts import load_run
 
     try:
         model, tokenizer = load_run(args.model)
+        if args.format == "ctranslate2":
+            from keras_transformer.ctranslate2_export import export_ctranslate2
+
+            print(export_ctranslate2(model, tokenizer, args.export_base, args.quantization))
+            return 0
         path = export_saved_model(
             model, tokenizer, args.export_base, version=args.version,
             max_input_tokens=args.max_input_tokens, max_extra_length=args.max_extra_length,
