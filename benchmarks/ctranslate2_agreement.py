@@ -24,6 +24,7 @@ import ctranslate2  # noqa: E402
 import sacrebleu  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
+from benchmarks.serving import add_run_and_split_flags  # noqa: E402
 from keras_transformer import artifacts  # noqa: E402
 from keras_transformer.ctranslate2_export import export_ctranslate2, translate  # noqa: E402
 from keras_transformer.evaluate import translate_texts  # noqa: E402
@@ -32,11 +33,7 @@ from pipelines.corpora import load_corpus  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="run directory")
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--split", default="test_2016_flickr")
-    parser.add_argument("--src", required=True)
-    parser.add_argument("--tgt", required=True)
+    add_run_and_split_flags(parser)
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.6)

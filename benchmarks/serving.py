@@ -94,13 +94,18 @@ def ctranslate2_runs(directory: Path, texts: list[str], compute_type: str, runs:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_and_split_flags(parser: argparse.ArgumentParser) -> None:
+    """--model (a run directory) and the split it translates: --data, --split, --src, --tgt."""
     parser.add_argument("--model", required=True, help="run directory")
     parser.add_argument("--data", required=True)
     parser.add_argument("--split", default="test_2016_flickr")
     parser.add_argument("--src", required=True)
     parser.add_argument("--tgt", required=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_and_split_flags(parser)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))

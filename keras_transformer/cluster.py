@@ -102,6 +102,16 @@ class Cluster:
     def address(self) -> str:
         return self.jobs[self.task_type][self.task_index]
 
+    @property
+    def port(self) -> int:
+        return int(self.address.rpartition(":")[2])
+
+    def peers(self) -> list[tuple[str, int]]:
+        """(job, index) of every other task."""
+        return [(job, index) for job, addresses in self.jobs.items()
+                for index in range(len(addresses))
+                if (job, index) != (self.task_type, self.task_index)]
+
     def describe(self, job: str | None = None, index: int | None = None) -> str:
         """E.g. "worker 1 (host2:12345)"; this task by default."""
         job = self.task_type if job is None else job
@@ -184,11 +194,10 @@ def check_port_free(cluster: Cluster) -> None:
     Raises:
         ClusterConfigError: the port is in use.
     """
-    port = int(cluster.address.rpartition(":")[2])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
         try:
-            probe.bind(("", port))
+            probe.bind(("", cluster.port))
         except OSError as error:
             if error.errno != errno.EADDRINUSE:
                 raise
@@ -197,7 +206,7 @@ def check_port_free(cluster: Cluster) -> None:
 
 def _port_in_use(cluster: Cluster) -> str:
     return (f"this task is {cluster.describe()} in TF_CONFIG, but port "
-            f"{cluster.address.rpartition(':')[2]} is already in use on this machine (another "
+            f"{cluster.port} is already in use on this machine (another "
             "run, or one still exiting?); stop that process or give this task another port "
             "in every worker's TF_CONFIG")
 
@@ -348,23 +357,19 @@ def _flatten(settings: dict, prefix: str = "") -> dict:
 
 def _lost_task(message: str, cluster: Cluster) -> str:
     """Which peer an aborted collective's message blames, as "worker 1 (host:port) ..."."""
+    peers = cluster.peers()
     silent = re.search(r"unhealthy[^\n]*\n\s*/job:(\w+)/replica:\d+/task:(\d+)", message)
-    if silent and silent[1] in cluster.jobs:
+    if silent and (silent[1], int(silent[2])) in peers:
         return f"{cluster.describe(silent[1], int(silent[2]))} stopped sending heartbeats"
     for job, index in re.findall(r"remote target /job:(\w+)/replica:\d+/task:(\d+)", message):
-        if job in cluster.jobs and (job, int(index)) != (cluster.task_type, cluster.task_index):
+        if (job, int(index)) in peers:
             return f"{cluster.describe(job, int(index))} is unreachable"
-    for job, addresses in cluster.jobs.items():
-        for index, address in enumerate(addresses):
-            mentioned = re.search(re.escape(address) + r"(?!\d)", message)
-            if mentioned and (job, index) != (cluster.task_type, cluster.task_index):
-                return f"{cluster.describe(job, index)} is unreachable"
+    for job, index in peers:
+        if re.search(re.escape(cluster.jobs[job][index]) + r"(?!\d)", message):
+            return f"{cluster.describe(job, index)} is unreachable"
     cause = _first_line(message.split("Collective ops is aborted by:")[-1])
-    others = [(job, index) for job, addresses in cluster.jobs.items()
-              for index in range(len(addresses)) if (job, index) != (cluster.task_type,
-                                                                     cluster.task_index)]
-    if len(others) == 1:  # the only peer there is
-        return f"{cluster.describe(*others[0])}: {cause}"
+    if len(peers) == 1:  # the only peer there is
+        return f"{cluster.describe(*peers[0])}: {cause}"
     return cause
 
 
@@ -386,8 +391,9 @@ def wait_for_all(name: str, timeout_seconds: float, cluster: Cluster) -> None:
                 error):
             raise ClusterFailure(f"{cluster.describe()}: not every worker reached '{name}' "
                                  f"within {timeout_seconds:g} s") from None
-        raise cluster_error(error, cluster) or ClusterFailure(f"{cluster.describe()}: waiting for every worker at "
-                                        f"'{name}' failed: {_first_line(str(error))}") from None
+        raise cluster_error(error, cluster) or ClusterFailure(
+            f"{cluster.describe()}: waiting for every worker at '{name}' failed: "
+            f"{_first_line(str(error))}") from None
 
 
 def any_worker(strategy) -> Callable[[bool], bool] | None:

@@ -37,7 +37,6 @@ def transformer_spec(model, tokenizer):
         ValueError: a pre-norm model (not converted yet), or a vocabulary that does not
             match the model's.
     """
-    import ctranslate2
     import sentencepiece as spm
     from ctranslate2.specs import common_spec, transformer_spec
 
@@ -69,14 +68,12 @@ def transformer_spec(model, tokenizer):
 
     def linear(target, *names: str) -> None:
         """`target` = the dense layers `names`, as one (out, in) matrix and bias."""
-        matrices = []
-        for name in names:
-            kernel = weights[f"{name}/kernel"]  # (in, out), or per head (in, heads, depth)
-            # (heads, depth, out) for the attention output
-            rows = -1 if name.endswith("attention_output") else kernel.shape[0]
-            matrices.append(kernel.reshape(rows, kernel.shape[-1] if rows == -1 else -1).T)
-        target.weight = np.concatenate(matrices)
-        target.bias = np.concatenate([weights[f"{name}/bias"].reshape(-1) for name in names])
+        # Kernels are (in, out), or per head (in, heads, depth) and (heads, depth, out): the
+        # bias has the output's size in every case.
+        biases = [weights[f"{name}/bias"].reshape(-1) for name in names]
+        target.weight = np.concatenate([weights[f"{name}/kernel"].reshape(-1, bias.size).T
+                                        for name, bias in zip(names, biases, strict=True)])
+        target.bias = np.concatenate(biases)
 
     def norm(target, name: str) -> None:
         target.gamma, target.beta = weights[f"{name}/norm/gamma"], weights[f"{name}/norm/beta"]
@@ -86,20 +83,19 @@ def transformer_spec(model, tokenizer):
         linear(target.linear_1, f"{prefix}/feed_forward/output")
         norm(target.layer_norm, f"{prefix}/feed_forward_block")
 
+    def self_attention(target, prefix: str) -> None:
+        own = f"{prefix}/self_attention"
+        linear(target.linear[0], f"{own}/query", f"{own}/key", f"{own}/value")
+        linear(target.linear[1], f"{own}/attention_output")
+        norm(target.layer_norm, f"{prefix}/self_attention_block")
+
     for index, layer in enumerate(spec.encoder.layer):
-        prefix, attention = f"encoder_layer_{index}", f"encoder_layer_{index}/self_attention"
-        linear(layer.self_attention.linear[0], *(f"{attention}/{p}" for p in ("query", "key",
-                                                                              "value")))
-        linear(layer.self_attention.linear[1], f"{attention}/attention_output")
-        norm(layer.self_attention.layer_norm, f"{prefix}/self_attention_block")
-        feed_forward(layer.ffn, prefix)
+        self_attention(layer.self_attention, f"encoder_layer_{index}")
+        feed_forward(layer.ffn, f"encoder_layer_{index}")
     for index, layer in enumerate(spec.decoder.layer):
         prefix = f"decoder_layer_{index}"
-        own, cross = f"{prefix}/self_attention", f"{prefix}/cross_attention"
-        linear(layer.self_attention.linear[0], *(f"{own}/{p}" for p in ("query", "key",
-                                                                        "value")))
-        linear(layer.self_attention.linear[1], f"{own}/attention_output")
-        norm(layer.self_attention.layer_norm, f"{prefix}/self_attention_block")
+        cross = f"{prefix}/cross_attention"
+        self_attention(layer.self_attention, prefix)
         linear(layer.attention.linear[0], f"{cross}/query")
         linear(layer.attention.linear[1], f"{cross}/key", f"{cross}/value")
         linear(layer.attention.linear[2], f"{cross}/attention_output")
@@ -114,7 +110,6 @@ def transformer_spec(model, tokenizer):
     spec.config.bos_token = spec.config.decoder_start_token = processor.id_to_piece(
         processor.bos_id())
     spec.config.eos_token = processor.id_to_piece(processor.eos_id())
-    del ctranslate2  # (imported to fail early, with its own message, when it is missing)
     return spec
 
 

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = run_data.training_data(args, corpora["train"], prepared, scan, cluster, say)
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
-        outcome = train_model(args, config, corpora, data, (strategy, cluster), budget, out,
+        outcome = train_model(args, config, corpora, data, strategy, cluster, budget, out,
                               home, started)
     except Exception as error:
         # A bad setting here, or another worker's refusal or loss (an aborted collective).
@@ -211,12 +211,12 @@ def dry_run(args: argparse.Namespace, model_config, corpora: dict[str, Any], bud
 
 
 def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
-                prepared, distributed: tuple[Any, Cluster], budget: StepBudget, out: Path,
+                prepared, strategy, cluster: Cluster, budget: StepBudget, out: Path,
                 home: Path, started: float) -> dict[str, Any]:
     """Pipelines, model and `model.fit`; returns what `finish` reports.
 
-    `distributed` is the strategy and the `TF_CONFIG` cluster it spans; `budget` spreads each optimizer step over replicas and accumulated micro-batches; Keras
-    steps are micro-batches, every other count (schedule, checkpoints, resume) is of
+    `cluster` is the `TF_CONFIG` cluster `strategy` spans; `budget` spreads each optimizer
+    step over replicas and accumulated micro-batches; Keras steps are micro-batches, every other count (schedule, checkpoints, resume) is of
     optimizer steps. `out` is the run directory (read for resuming), `home` where this
     worker writes (`out` on the chief, a scratch folder on other workers), `started` when
     the command started.
@@ -235,7 +235,6 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     from keras_transformer.schedule import paper_adam
     from pipelines.batching import make_batches, xla_bucket_boundaries
 
-    strategy, cluster = distributed
     keras.utils.set_random_seed(args.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
     precision = resolve_precision(args.precision, gpu_capabilities())
