@@ -20,6 +20,7 @@ from keras import ops
 from keras.src.saving import saving_lib
 
 from keras_transformer import artifacts
+from keras_transformer.checkpoints import checkpoint_path, list_checkpoints, steps_to_keep
 
 PAD_ID = 0
 
@@ -200,20 +201,6 @@ def save_training_state(model: keras.Model, path: str | Path) -> None:
     temporary.replace(path)
 
 
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"ckpt-{step:08d}.weights.h5"
-
-
-def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """Periodic checkpoints in `directory` as (step, path), oldest first."""
-    found = []
-    for path in Path(directory).glob("ckpt-*.weights.h5"):
-        digits = path.name[len("ckpt-"):-len(".weights.h5")]
-        if digits.isdigit():
-            found.append((int(digits), path))
-    return sorted(found)
-
-
 class RunCheckpointer(keras.callbacks.Callback):
     """At each interval's end: periodic checkpoint, best-by-validation-loss checkpoint, early
     stopping, and the resumable backup (optimizer included) with `state` for a restart.
@@ -222,7 +209,8 @@ class RunCheckpointer(keras.callbacks.Callback):
         checkpoint_dir: where `ckpt-<step>.weights.h5` and `best.weights.h5` go.
         backup_dir: where `latest.weights.h5` and `state.json` go.
         checkpoint_every: save a periodic checkpoint when the step is a multiple of this.
-        keep: keep the newest `keep` periodic checkpoints (>= the number averaged).
+        keep: the checkpoints averaged: keep the newest `keep` periodic checkpoints and the
+            `keep` around the best validation step.
         patience: stop after this many validations without improvement (0 = never).
         stopper: the `StopAt` callback, whose elapsed time is recorded for resuming.
         state: restored state of an interrupted run (best_val_loss, bad_validations, ...).
@@ -263,8 +251,7 @@ class RunCheckpointer(keras.callbacks.Callback):
         self.backup_dir.mkdir(parents=True, exist_ok=True)
         if step % self.checkpoint_every == 0 or self.model.stop_training:
             save_model_weights(self.model, checkpoint_path(self.checkpoint_dir, step))
-            for _, old in list_checkpoints(self.checkpoint_dir)[: -self.keep]:
-                old.unlink(missing_ok=True)
+            self._remove_old_checkpoints()
         val_loss = logs.get("val_loss")
         if val_loss is not None:
             if val_loss < self.best_val_loss:
@@ -283,6 +270,13 @@ class RunCheckpointer(keras.callbacks.Callback):
         # The backup last, so that a restart never sees a backup ahead of the checkpoints.
         save_training_state(self.model, self.backup_dir / "latest.weights.h5")
         artifacts.write_json_atomic(self.backup_dir / "state.json", self.state(epoch + 1, step))
+
+    def _remove_old_checkpoints(self) -> None:
+        # The newest `keep`, and those around the best step so far: an early-stopped run
+        # may average those instead (keras_transformer.checkpoints.averaging_windows).
+        found = dict(list_checkpoints(self.checkpoint_dir))
+        for step in set(found) - steps_to_keep(list(found), self.best_step, self.keep):
+            found[step].unlink(missing_ok=True)
 
     def state(self, epochs_done: int, step: int) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from keras_transformer.recipes import add_recipe_flag, parse_with_recipe
 from keras_transformer.train_flags import (
     HelpFormatter,
     add_data_flags,
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`python -m keras_transformer.train --prepared OUT`.",
         formatter_class=HelpFormatter,
     )
+    add_recipe_flag(p)
     add_data_flags(p)
     p.add_argument("--shards", type=positive_int, default=1,
                    help="at least this many shards: the number of workers that will train")
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (2: bad flags or corpus, nothing created)."""
-    args = build_parser().parse_args(argv)
+    args = parse_with_recipe(build_parser(), argv)
     from keras_transformer.run_data import log_pipelines_to_stdout
     from pipelines.corpora import open_corpus
     from pipelines.prepared import prepare_corpus

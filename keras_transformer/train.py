@@ -50,7 +50,7 @@ from keras_transformer.train_flags import (
     DEFAULT_MAX_STEPS,
     StepBudget,
     UsageError,
-    build_parser,
+    parse_args,
     step_budget,
     validate_args,
 )
@@ -81,7 +81,7 @@ def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     run_data.log_pipelines_to_stdout()
     cluster = None
     try:
@@ -196,8 +196,9 @@ def dry_run(args: argparse.Namespace, model_config, corpora: dict[str, Any], bud
     model = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(model_config).items())
     steps = (f"{args.epochs:g} epoch(s)" if args.epochs
              else f"{args.max_steps or DEFAULT_MAX_STEPS} steps")
-    say(f"dry run: nothing was created or trained.\n"
-        f"  run directory  {out}: {run}\n"
+    say("dry run: nothing was created or trained.\n"
+        + (f"  recipe         {args.recipe} (flags given override it)\n" if args.recipe else "")
+        + f"  run directory  {out}: {run}\n"
         f"  data           {args.data} {args.src}->{args.tgt}; {splits}\n"
         f"  prepared data  {where}: {data}\n"
         f"  model          {args.preset} preset: {model}\n"
@@ -428,39 +429,28 @@ def export(model, tokenizer, args: argparse.Namespace) -> Path | None:
 
 def finish(args: argparse.Namespace, config: dict, corpora: dict, outcome: dict) -> int:
     """Average checkpoints into model.keras, score the test split, export, summarize."""
-    from keras_transformer.averaging import average_last_checkpoints
+    from keras_transformer.final_model import choose_final_weights
     from keras_transformer.model import build_transformer
     from pipelines.tokenizer import SubwordTokenizer
 
     run = Path(args.out)
     started = time.perf_counter()
-    checkpoints = run / artifacts.CHECKPOINT_DIR
-    averaged_file = checkpoints / "averaged.weights.h5"
-    steps = average_last_checkpoints(run, args.average_last, averaged_file)
     tokenizer = SubwordTokenizer.load(run / artifacts.TOKENIZER_DIR)
     # The saved model is float32 whatever the training precision (the weights were float32
     # anyway): decoding and serving should not inherit a training-only choice.
     model = build_transformer(**config["model"])
-    val_losses = {}
-    for name, weights in (("best", checkpoints / "best.weights.h5"), ("averaged", averaged_file)):
-        if weights.exists():
-            model.load_weights(weights)
-            val_losses[name] = evaluate_loss(model, tokenizer, corpora["val"], args)
-    # Averaging helps once the loss has flattened; while it still falls fast, the older
-    # checkpoints drag the average down. Keep whichever is better on validation.
-    final = min(val_losses, key=lambda name: (val_losses[name], name != "averaged"))
-    if final != "averaged":
-        model.load_weights(checkpoints / f"{final}.weights.h5")
+    choice = choose_final_weights(
+        model, run / artifacts.CHECKPOINT_DIR, outcome["best_step"], args.average_last,
+        lambda candidate: evaluate_loss(candidate, tokenizer, corpora["val"], args))
     model.save(run / artifacts.MODEL_FILE)
     results: dict[str, Any] = {
         "steps": outcome["step"], "stop_reason": outcome["reason"],
         "training_seconds": round(outcome["elapsed"], 1),
         "tokens_per_sec": round(outcome["tokens_per_sec"], 1),
         "best_val_loss": outcome["best_val_loss"], "best_step": outcome["best_step"],
-        "averaged_steps": steps,
-        "averaged_val_loss": val_losses["averaged"],
-        "best_checkpoint_val_loss": val_losses.get("best"),
-        "final_weights": final,
+        "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
+        "final_val_loss": choice["val_loss"],
+        "averaging": {key: choice[key] for key in ("reason", "candidates")},
         **{key: outcome[key] for key in ("precision", "loss_scale", "skipped_updates",
                                          "replicas", "workers", "jit_compile",
                                          "fused_kernels")},
@@ -497,11 +487,7 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
     if results["best_val_loss"] is not None:
         say(f"validation loss (Keras metric, batch means averaged): best "
             f"{results['best_val_loss']:.4f} at step {results['best_step']}")
-    exact = f"average of steps {results['averaged_steps']} {results['averaged_val_loss']:.4f}"
-    if results.get("best_checkpoint_val_loss") is not None:
-        exact = f"best checkpoint {results['best_checkpoint_val_loss']:.4f}, {exact}"
-    say(f"exact per-token validation loss: {exact}; model.keras holds the "
-        f"{results['final_weights']} weights")
+    say(f"model.keras holds {results['averaging']['reason']}")
     if results.get("bleu") is not None:
         say(f"test {results['test_split']} ({results['test_sentences']} sentences, beam "
             f"{results['beam']}): BLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}\n"

@@ -12,6 +12,7 @@ import math
 
 from keras_transformer.cluster import DEFAULT_JOIN_TIMEOUT, LOST_WORKER_SECONDS
 from keras_transformer.precision import JIT_CHOICES, PRECISIONS
+from keras_transformer.recipes import add_recipe_flag, parse_with_recipe
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
 
 DEFAULT_MAX_STEPS = 100_000  # paper, base model; normally --max-minutes or --epochs ends first
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "SavedModel export. The same command resumes an interrupted run.",
         formatter_class=HelpFormatter,
     )
+    add_recipe_flag(p)
     g = p.add_argument_group("data")
     add_data_flags(g)
     g.add_argument("--val-split", default="val",
@@ -191,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--join-timeout", type=_positive_float, default=DEFAULT_JOIN_TIMEOUT,
                    help="seconds each worker waits for all the others to start")
     return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags of `python -m keras_transformer.train`, with its `--recipe`'s defaults."""
+    return parse_with_recipe(build_parser(), argv)
 
 
 class UsageError(ValueError):

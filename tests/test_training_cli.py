@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from keras_transformer.artifacts import load_run
+from keras_transformer.checkpoints import average_checkpoints
 from keras_transformer.train import main
 from keras_transformer.train_flags import build_parser
 
@@ -160,19 +161,26 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 30
-    assert results["averaged_steps"] == [20, 30]
     assert 0.0 <= results["bleu"] <= 100.0 and "tok:13a" in results["bleu_signature"]
     assert results["best_val_loss"] is not None
     for name in ("model.keras", "config.json", "tokenizer", "logs/metrics.csv",
                  "checkpoints/best.weights.h5", "backup/latest.weights.h5", "test.hyp.txt"):
         assert (out / name).exists(), name
     assert "BLEU" in result.stdout and str(out / "model.keras") in result.stdout
-    # model.keras holds whichever of the average and the best checkpoint is better on val.
-    losses = {"averaged": results["averaged_val_loss"],
-              "best": results["best_checkpoint_val_loss"]}
-    assert losses[results["final_weights"]] == min(losses.values())
+    # model.keras holds the candidate (the last 2 averaged, those up to / around the best
+    # step, the best checkpoint) with the lowest validation loss, and says why.
+    candidates = {c["name"]: c for c in results["averaging"]["candidates"]}
+    assert candidates["last"]["steps"] == [20, 30]
+    assert results["final_val_loss"] == min(c["val_loss"] for c in candidates.values())
+    chosen_steps = candidates[results["final_weights"]]["steps"]
+    assert results["averaged_steps"] == chosen_steps
+    assert "validation loss" in results["averaging"]["reason"]
     saved, chosen = load_run(out)[0], load_run(out)[0]
-    chosen.load_weights(out / "checkpoints" / f"{results['final_weights']}.weights.h5")
+    if results["final_weights"] == "best checkpoint":
+        chosen.load_weights(out / "checkpoints" / "best.weights.h5")
+    else:
+        average_checkpoints(out / "checkpoints", chosen_steps, tmp_path / "mean.weights.h5")
+        chosen.load_weights(tmp_path / "mean.weights.h5")
     for actual, expected in zip(saved.get_weights(), chosen.get_weights(), strict=True):
         np.testing.assert_array_equal(actual, expected)
     assert (Path(results["export"]) / "saved_model.pb").is_file()

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from keras_transformer import artifacts
-from keras_transformer.averaging import average_weight_files
 from keras_transformer.averaging import main as averaging_main
-from keras_transformer.callbacks import (
-    StopAt,
-    TokenCount,
+from keras_transformer.callbacks import StopAt, TokenCount, save_model_weights
+from keras_transformer.checkpoints import (
+    average_weight_files,
+    averaging_windows,
     checkpoint_path,
     list_checkpoints,
-    save_model_weights,
+    steps_to_keep,
 )
 from keras_transformer.distribution import GlobalTokenCrossEntropy
 from keras_transformer.losses import LabelSmoothedCrossEntropy
@@ -153,7 +153,8 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     for epoch, val_loss in enumerate([5.0, 4.0, 4.5, 4.2]):
         model.optimizer.iterations.assign((epoch + 1) * 10)
         checkpointer.on_epoch_end(epoch, {"loss": 1.0, "val_loss": val_loss})
-    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [30, 40]
+    # The newest 2, and those up to and around the best step (20), for averaging.
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [10, 20, 30, 40]
     assert (tmp_path / "ckpt" / "best.weights.h5").is_file()
     assert checkpointer.best_step == 20 and model.stop_training
     assert "early stopping" in stopper.reason
@@ -164,6 +165,19 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     model.optimizer.iterations.assign(50)
     checkpointer.on_epoch_end(4, {"loss": float("nan")})
     assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
+
+
+def test_averaging_windows_follow_the_best_step():
+    steps = list(range(100, 1100, 100))
+    # Best at the end: only the last 5.
+    assert averaging_windows(steps, 1000, 5) == {"last": [600, 700, 800, 900, 1000]}
+    # Best earlier (an early-stopped or overfitting run): also up to it, and around it.
+    assert averaging_windows(steps, 400, 5) == {
+        "last": [600, 700, 800, 900, 1000], "up to the best step": [100, 200, 300, 400],
+        "around the best step": [200, 300, 400, 500, 600]}
+    assert averaging_windows(steps, None, 3) == {"last": [800, 900, 1000]}
+    # A run keeps what every window needs, and only that.
+    assert steps_to_keep(steps, 400, 2) == {300, 400, 900, 1000}
 
 
 @pytest.mark.parametrize(
