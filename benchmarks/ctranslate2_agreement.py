@@ -27,7 +27,7 @@ import sentencepiece as spm  # noqa: E402
 from benchmarks.serving import add_run_and_split_flags  # noqa: E402
 from keras_transformer import artifacts  # noqa: E402
 from keras_transformer.ctranslate2_export import export_ctranslate2, translate  # noqa: E402
-from keras_transformer.evaluate import translate_texts  # noqa: E402
+from keras_transformer.translation import translate_texts  # noqa: E402
 from pipelines.corpora import load_corpus  # noqa: E402
 
 

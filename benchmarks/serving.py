@@ -114,7 +114,7 @@ def main() -> None:
 
     from keras_transformer import artifacts
     from keras_transformer.ctranslate2_export import export_ctranslate2
-    from keras_transformer.export import export_saved_model
+    from keras_transformer.saved_model import export_saved_model
     from pipelines.corpora import load_corpus
 
     texts = load_corpus(args.data, args.split, args.src, args.tgt).sources

@@ -1,0 +1,96 @@
+"""keras-transformer: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in
+Keras 3 / TensorFlow, for machine translation.
+
+The public Python API (everything in `__all__`):
+
+    import keras_transformer as kt
+
+    train = kt.load_corpus("../shared/data/multi30k", "train", "de", "en")
+    tokenizer = kt.train_tokenizer(train.sources + train.targets, "tokenizer", vocab_size=8000)
+    batches = kt.make_batches(train, tokenizer, tokens_per_batch=4096)
+    model = kt.build_transformer("small", vocab_size=tokenizer.vocab_size)
+    model.compile(optimizer=kt.paper_adam(model.config.d_model),
+                  loss=kt.LabelSmoothedCrossEntropy(0.1), metrics=[kt.MaskedAccuracy()])
+    model.fit(batches, epochs=1)
+    kt.translate_texts(model, tokenizer, ["Ein Hund rennt."], beam_size=4)
+    kt.Translator.load("runs/multi30k-de-en").translate(["Ein Hund rennt."])
+
+Names are imported on first use, so `import keras_transformer` itself is cheap (and the
+command-line tools can configure TensorFlow's logging before TensorFlow loads).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+if sys.argv[:1] == ["-m"]:
+    # `python -m keras_transformer.<command>`: Python imports this package before the command
+    # (sys.argv[0] is "-m" only then), which is the moment to filter TensorFlow's C++ log
+    # lines, before anything loads TensorFlow. Library users' imports are left alone.
+    from keras_transformer.logs import start_cli_logging
+
+    start_cli_logging()
+
+# name -> the module that defines it (the one obvious home of each idea).
+_EXPORTS = {
+    # 3. Model architecture: the model, its presets and its layers.
+    "Transformer": "keras_transformer.model",
+    "TransformerConfig": "keras_transformer.model",
+    "PRESETS": "keras_transformer.model",
+    "build_transformer": "keras_transformer.model",
+    "transformer_config": "keras_transformer.model",
+    "MultiHeadAttention": "keras_transformer.layers",
+    "PositionalEmbedding": "keras_transformer.layers",
+    "EncoderLayer": "keras_transformer.layers",
+    "DecoderLayer": "keras_transformer.layers",
+    "FeedForward": "keras_transformer.layers",
+    # 5.1 Training data: corpora, the shared subword vocabulary, token-budget batches.
+    "load_corpus": "pipelines.corpora",
+    "open_corpus": "pipelines.corpora",
+    "ParallelCorpus": "pipelines.corpora",
+    "SubwordTokenizer": "pipelines.tokenizer",
+    "train_tokenizer": "pipelines.tokenizer",
+    "make_batches": "pipelines.batching",
+    "prepare_corpus": "pipelines.prepared",
+    "PreparedCorpus": "pipelines.prepared",
+    # 5.3 Optimizer (Adam and the warmup schedule), 5.4 regularization (label smoothing).
+    "NoamSchedule": "keras_transformer.optimizer",
+    "paper_adam": "keras_transformer.optimizer",
+    "LabelSmoothedCrossEntropy": "keras_transformer.losses",
+    "GlobalTokenCrossEntropy": "keras_transformer.losses",
+    "MaskedAccuracy": "keras_transformer.losses",
+    "Perplexity": "keras_transformer.losses",
+    "select_strategy": "keras_transformer.distribution",
+    "RECIPES": "keras_transformer.recipes",
+    # 6.1 Checkpoint averaging, beam search, translation and its score.
+    "average_checkpoints": "keras_transformer.checkpoints",
+    "greedy_search": "keras_transformer.decoding",
+    "beam_search": "keras_transformer.decoding",
+    "translate_texts": "keras_transformer.translation",
+    "Translator": "keras_transformer.translation",
+    "score_translations": "keras_transformer.scoring",
+    "validation_loss": "keras_transformer.scoring",
+    "attention_weights": "keras_transformer.plots",
+    "plot_attention": "keras_transformer.plots",
+    # Runs and exports.
+    "load_run": "keras_transformer.artifacts",
+    "export_saved_model": "keras_transformer.saved_model",
+    "export_ctranslate2": "keras_transformer.ctranslate2_export",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_transformer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -22,8 +22,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import keras
-
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 PREPARED_DIR = "prepared"
@@ -55,6 +53,8 @@ def load_run(path: str | Path):
                 f"{path} is not a run directory: {required.name} is missing. Pass the --out "
                 "folder of a finished `python -m keras_transformer.train` run, or a SavedModel."
             )
+    import keras
+
     import keras_transformer.model  # noqa: F401  (registers the custom layers)
 
     model = keras.models.load_model(path / MODEL_FILE, compile=False)

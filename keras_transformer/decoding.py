@@ -21,7 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_transformer.beam_search import (
+from keras_transformer.search_loops import (
     BOS_ID,
     EOS_ID,
     NEG_INF,

@@ -4,6 +4,16 @@ All three ignore padding (label id 0) and compute in float32 even when the model
 bfloat16/float16. None materializes one-hot labels: the smoothed cross-entropy is
 (1 - eps) * NLL(label) + eps * (logsumexp(logits) - mean(logits)), since the smoothed target
 puts eps / V on every class. TensorFlow-specific (tf.custom_gradient), like the project.
+
+Under `tf.distribute`, `GlobalTokenCrossEntropy` normalizes by the global batch's tokens.
+How Keras 3's TF trainer combines replicas (keras/src/backend/tensorflow/trainer.py,
+losses/loss.py, optimizer.py): each replica computes its loss, `Loss.__call__` divides it by
+the number of replicas only when the loss is not already a scalar (ours is: a masked mean),
+the gradients are *summed* over replicas, and the logged loss is the replica value times the
+replica count, averaged with batch-size weights. With token-budget batches the replicas hold
+different numbers of tokens, so no per-replica mean reproduces the single-device update.
+`GlobalTokenCrossEntropy` divides each replica's token-loss sum by the *global* token count
+(one all-reduce): the summed gradients are then exactly those of the global-batch mean.
 """
 
 from __future__ import annotations
@@ -240,3 +250,34 @@ class Perplexity(_MaskedMean):
 
     def result(self):
         return ops.exp(super().result())
+
+
+class GlobalTokenCrossEntropy(LabelSmoothedCrossEntropy):
+    """`LabelSmoothedCrossEntropy` normalized by the token count of the *global* batch.
+
+    With S_r the summed token losses of replica r, S their sum over replicas, N the global
+    token count and R the replica count, each replica's gradient is that of S_r / N; Keras
+    sums them over replicas: the gradient of S / N, the single-device loss of the global
+    batch. The *value* returned is S / (N R) (a stop-gradient term), because Keras logs the
+    value times R: the logged loss is then S / N too.
+
+    Call arguments:
+        y_true: int labels (batch, length), 0 = padding.
+        y_pred: logits (batch, length, vocab).
+
+    Returns:
+        float32 scalar.
+    """
+
+    def call(self, y_true, y_pred):
+        local, local_tokens = self.sum_and_count(y_true, y_pred)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return local / ops.maximum(local_tokens, 1.0)
+        replicas = context.num_replicas_in_sync
+        local_and_tokens = ops.stack([ops.stop_gradient(local), local_tokens])
+        total, tokens = ops.unstack(context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                       local_and_tokens))
+        tokens = ops.maximum(tokens, 1.0)
+        gradient_part = local / tokens
+        return gradient_part + ops.stop_gradient(total / (tokens * replicas) - gradient_part)

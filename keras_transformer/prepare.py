@@ -43,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (2: bad flags or corpus, nothing created)."""
     args = parse_with_recipe(build_parser(), argv)
-    from keras_transformer.run_data import log_pipelines_to_stdout
+    from keras_transformer.logs import show_project_logs
     from pipelines.corpora import open_corpus
     from pipelines.prepared import prepare_corpus
 
-    log_pipelines_to_stdout()
+    show_project_logs()
     try:
         validate_data_flags(args)
         split = open_corpus(args.data, args.train_split, args.src, args.tgt,

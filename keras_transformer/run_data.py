@@ -7,8 +7,6 @@ and raises `UsageError` (one line, exit status 2) for what the user must change.
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,29 +18,6 @@ if TYPE_CHECKING:
     from keras_transformer.cluster import Cluster
     from pipelines.corpora import CorpusScan, CorpusSplit
     from pipelines.prepared import PreparedCorpus
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stdout` is when a record comes (it may be replaced later)."""
-
-    @property
-    def stream(self):
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:
-        del value
-
-
-def log_pipelines_to_stdout() -> None:
-    """Shows the data pipelines' progress lines (logger "pipelines": pairs validated or
-    dropped, tokenizer trained, shards written, waiting for the chief) on stdout."""
-    logger = logging.getLogger("pipelines")
-    if not any(isinstance(handler, _StdoutHandler) for handler in logger.handlers):
-        handler = _StdoutHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
 
 
 def load_corpora(args: argparse.Namespace) -> dict[str, Any]:

@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete an existing run directory and start over")
     g.add_argument("--resume", action="store_true",
                    help="require an interrupted run to resume (it is resumed anyway if found)")
-    g.add_argument("--verbose", type=int, choices=(0, 1, 2),
-                   help="Keras progress: 1 bar, 2 one line per interval (default: 1 on a tty)")
+    g.add_argument("--verbose", action="store_true",
+                   help="also show TensorFlow's own C++ logs and Keras' per-interval lines "
+                   "(hidden by default, unless you set TF_CPP_MIN_LOG_LEVEL yourself)")
     g.add_argument("--dry-run", action="store_true",
                    help="check the flags, the corpus' splits, the run directory and the step's "
                    "token budget on this machine's replicas, print the plan, and exit without "

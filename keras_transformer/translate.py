@@ -14,118 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from keras_transformer.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
-from keras_transformer.export import latest_version
-
-__all__ = ["ModelError", "ProgressBar", "Translator", "load_translator", "main"]
-
-Progress = Callable[[int], None]
-
-
-class ModelError(Exception):
-    """`--model` is not something that can translate (message says what was expected)."""
-
-
-class Translator:
-    """Translates lists of texts with a Keras model (run directory) or a SavedModel."""
-
-    def __init__(self, path: Path, model=None, tokenizer=None, saved_model=None):
-        self.path = path
-        self.model, self.tokenizer, self.saved_model = model, tokenizer, saved_model
-
-    def translate(self, texts: Sequence[str | bytes], beam_size: int = DEFAULT_BEAM_SIZE,
-                  alpha: float = DEFAULT_ALPHA, batch_size: int = 64,
-                  progress: Progress | None = None) -> list[str]:
-        """N translations of N texts, in order."""
-        if self.saved_model is None:
-            from keras_transformer.evaluate import translate_texts
-
-            return translate_texts(self.model, self.tokenizer, texts, beam_size=beam_size,
-                                   alpha=alpha, batch_size=batch_size, progress=progress)
-        return self._translate_saved_model(texts, beam_size, alpha, batch_size, progress)
-
-    def _translate_saved_model(self, texts, beam_size, alpha, batch_size, progress):
-        import tensorflow as tf
-
-        signature = self.saved_model.signatures["translate"]
-        # Similar lengths per request: the server pads each request to its longest line.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-        results = [""] * len(texts)
-        for start in range(0, len(order), batch_size):
-            rows = order[start: start + batch_size]
-            outputs = signature(inputs=tf.constant([texts[i] for i in rows], tf.string),
-                                beam_size=tf.constant(beam_size, tf.int32),
-                                alpha=tf.constant(alpha, tf.float32))["outputs"]
-            for row, text in zip(rows, outputs.numpy(), strict=True):
-                results[row] = text.decode("utf-8", errors="replace")
-            if progress is not None:
-                progress(start + len(rows))
-        return results
-
-
-def _saved_model_dir(path: Path) -> Path | None:
-    """`path` if it is a SavedModel, else its highest integer version, else None."""
-    if (path / "saved_model.pb").is_file():
-        return path
-    version = latest_version(path)
-    return None if version is None else path / str(version)
-
-
-def load_translator(path: str | Path) -> Translator:
-    """A `Translator` for a SavedModel, a saved_models/<name> folder or a run directory.
-
-    Raises:
-        ModelError: if `path` is none of these (or cannot be loaded).
-    """
-    from keras_transformer import artifacts
-
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelError(f"{path}: no such directory; pass a run directory or a SavedModel.")
-    saved = _saved_model_dir(path)
-    try:
-        if saved is not None:
-            import tensorflow as tf
-            import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
-
-            loaded = tf.saved_model.load(str(saved))
-            if "translate" not in loaded.signatures:
-                raise ModelError(f"{saved}: a SavedModel without a 'translate' signature; "
-                                 "export it with keras_transformer.export.")
-            return Translator(saved, saved_model=loaded)
-        if artifacts.is_run_dir(path):
-            model, tokenizer = artifacts.load_run(path)
-            return Translator(path, model=model, tokenizer=tokenizer)
-    except ModelError:
-        raise
-    except Exception as error:  # a corrupt file: report it, no traceback
-        raise ModelError(f"{path}: cannot be loaded ({type(error).__name__}: {error})") from None
-    raise ModelError(
-        f"{path}: not a model directory: expected a SavedModel (saved_model.pb), a "
-        f"saved_models/<name> folder with integer versions, or a run directory "
-        f"({artifacts.MODEL_FILE} and {artifacts.TOKENIZER_DIR}/).")
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (nothing when `total` is 0 or `enabled` is False)."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 30):
-        self.total, self.enabled, self.width = total, enabled and total > 0, width
-
-    def update(self, done: int) -> None:
-        if self.enabled:
-            filled = self.width * done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] "
-                             f"{done}/{self.total} sentences")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+from keras_transformer.progress import ProgressBar
+from keras_transformer.translation import ModelError, load_translator
 
 
 def _read_lines(source: str | None) -> list[bytes]:

@@ -343,7 +343,9 @@ def batched_pairs(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[tuple
 
 
 def log_dropped(name: str, kept: int, total: int, max_length: int, unit: str) -> None:
-    """The one log line that counts pairs dropped for length."""
+    """The one log line that counts pairs dropped for length (INFO if any were, else DEBUG:
+    evaluation re-batches its splits several times, and "dropped 0" each time is noise)."""
     dropped = total - kept
-    _LOG.info("%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s", name, kept,
+    _LOG.log(logging.INFO if dropped else logging.DEBUG,
+              "%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s", name, kept,
               total, dropped, 100.0 * dropped / max(total, 1), max_length, unit)

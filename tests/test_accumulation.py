@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import build_transformer
-from keras_transformer.schedule import paper_adam
+from keras_transformer.optimizer import paper_adam
 from tests.test_training_cli import REPO, cli_env
 
 VOCAB = 40
@@ -185,10 +185,11 @@ TWO_REPLICAS = textwrap.dedent(
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
-    from keras_transformer.distribution import (
-        GlobalTokenCrossEntropy, build_for_distributed_fit, select_strategy)
+    from keras_transformer.distribution import select_strategy
+    from keras_transformer.keras_patches import build_for_distributed_fit
+    from keras_transformer.losses import GlobalTokenCrossEntropy
     from keras_transformer.model import build_transformer
-    from keras_transformer.schedule import paper_adam
+    from keras_transformer.optimizer import paper_adam
     from tests.test_accumulation import SPEC, _ids, _features, _pad, _kept, _max_difference
 
     rng = np.random.default_rng(0)

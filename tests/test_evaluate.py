@@ -9,7 +9,9 @@ import sacrebleu
 
 from keras_transformer import artifacts
 from keras_transformer.decoding import beam_search, encode_texts
-from keras_transformer.evaluate import main, score, translate_texts
+from keras_transformer.evaluate import main
+from keras_transformer.scoring import score_translations as score
+from keras_transformer.translation import translate_texts
 from tests.test_export import shared_artifacts
 
 SOURCES = ["Ein Hund läuft im Park.", "Zwei Kinder spielen.", "Eine Frau.",

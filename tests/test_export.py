@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from keras_transformer import artifacts
 from keras_transformer.decoding import beam_search, encode_texts
-from keras_transformer.export import (
+from keras_transformer.saved_model import (
     METADATA_FILE,
     TranslationModule,
     export_saved_model,

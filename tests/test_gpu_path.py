@@ -136,7 +136,7 @@ def test_a_float16_model_compiles_with_the_step_counting_loss_scaling():
     from keras_transformer.loss_scaling import LossScaleOptimizer
     from keras_transformer.losses import LabelSmoothedCrossEntropy
     from keras_transformer.model import build_transformer
-    from keras_transformer.schedule import paper_adam
+    from keras_transformer.optimizer import paper_adam
 
     model = build_transformer("tiny", vocab_size=40, dtype="mixed_float16")
     model.compile(paper_adam(32), loss=LabelSmoothedCrossEntropy(0.1), accumulate_steps=2)

@@ -17,7 +17,7 @@ from keras_transformer.model import (
     build_transformer,
     transformer_config,
 )
-from keras_transformer.schedule import paper_adam
+from keras_transformer.optimizer import paper_adam
 
 PAD, BOS, EOS = 0, 2, 3
 VOCAB = 37

@@ -25,11 +25,12 @@ EQUIVALENCE = textwrap.dedent(
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
-    from keras_transformer.distribution import (
-        GlobalTokenCrossEntropy, build_for_distributed_fit, select_strategy)
+    from keras_transformer.distribution import select_strategy
+    from keras_transformer.keras_patches import build_for_distributed_fit
+    from keras_transformer.losses import GlobalTokenCrossEntropy
     from keras_transformer.losses import LabelSmoothedCrossEntropy
     from keras_transformer.model import build_transformer
-    from keras_transformer.schedule import paper_adam
+    from keras_transformer.optimizer import paper_adam
 
     rng = np.random.default_rng(0)
     STEPS, VOCAB = 4, 40

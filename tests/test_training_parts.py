@@ -19,7 +19,7 @@ from keras_transformer.checkpoints import (
     list_checkpoints,
     steps_to_keep,
 )
-from keras_transformer.distribution import GlobalTokenCrossEntropy
+from keras_transformer.losses import GlobalTokenCrossEntropy
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import resolve_jit, resolve_precision
@@ -141,7 +141,7 @@ def test_stop_at_max_steps_and_time_budget():
 
 def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     from keras_transformer.callbacks import RunCheckpointer
-    from keras_transformer.schedule import paper_adam
+    from keras_transformer.optimizer import paper_adam
 
     model = build_transformer("tiny", vocab_size=20)
     model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())

@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import artifacts
-from keras_transformer.evaluate import translate_texts
-from keras_transformer.translate import ModelError, load_translator, main
+from keras_transformer.translate import main
+from keras_transformer.translation import ModelError, load_translator, translate_texts
 from tests.test_export import shared_artifacts
 
 ROOT = Path(__file__).resolve().parents[1]

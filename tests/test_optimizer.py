@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.schedule import FusedAdam, NoamSchedule, paper_adam
+from keras_transformer.optimizer import FusedAdam, NoamSchedule, paper_adam
 
 D_MODEL, WARMUP = 512, 4000
 

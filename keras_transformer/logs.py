@@ -1,0 +1,124 @@
+"""What the command-line tools print: the project's own lines, not TensorFlow's C++ noise.
+
+TensorFlow, XLA, oneDNN and SentencePiece log from C++ straight to file descriptor 2, before
+and regardless of Python's logging: "All log messages before absl::InitializeLog()", "Could
+not find cuda drivers", "failed call to cuInit" on a CPU machine, "oneDNN supports DT_INT64
+only on platforms with AVX-512" on one that has it, SentencePiece's `LOG(INFO)`. Setting
+`TF_CPP_MIN_LOG_LEVEL` does not silence the ones written before absl is initialized, so
+`start_cli_logging` puts a filter on descriptor 2 itself: a pipe whose reader thread passes
+every line on to the real stderr except those C++ log lines (Python warnings, tracebacks and
+fatal C++ errors pass). `--verbose`, or a `TF_CPP_MIN_LOG_LEVEL` of the user's own, turns the
+filter off.
+
+The project's own progress lines (loggers "keras_transformer" and "pipelines") go to stdout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Sequence
+
+# A glog/absl line below FATAL ("I0000 00:00:1795494401.635544   14486 port.cc:153] ..."), its
+# known continuation, absl's pre-initialization notice, and SentencePiece's LOG(INFO/WARNING).
+_NATIVE_LOG = re.compile(
+    rb"^(?:[IWE]\d{4} [\d:.]+\s+\d+ [\w./-]+:\d+\]"
+    rb"|WARNING: All log messages before absl::InitializeLog\(\)"
+    rb"|To enable the following instructions: .* rebuild TensorFlow"
+    rb"|\w+\.cc\(\d+\) LOG\((?:INFO|WARNING)\))")
+LOGGERS = ("keras_transformer", "pipelines")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is when a record comes (it may be replaced later)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        del value
+
+
+def show_project_logs() -> None:
+    """Shows the INFO lines of the project's loggers ("keras_transformer", "pipelines": pairs
+    dropped as too long, tokenizer trained or reused, shards written, ...) on stdout."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(handler, _StdoutHandler) for handler in logger.handlers):
+            handler = _StdoutHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
+def is_native_log_line(line: bytes) -> bool:
+    """True for a C++ log line that `start_cli_logging` hides (see the module docstring)."""
+    return _NATIVE_LOG.match(line) is not None
+
+
+class _NativeLogFilter:
+    """Descriptor 2 replaced by a pipe; a thread forwards all but C++ log lines."""
+
+    def __init__(self):
+        self.real_stderr = os.dup(2)
+        read_end, write_end = os.pipe()
+        sys.stderr.flush()
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self.reader = threading.Thread(target=self._forward, args=(read_end,), daemon=True,
+                                       name="native-log-filter")
+        self.reader.start()
+
+    def _forward(self, read_end: int) -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            pending = b""
+            while chunk := pipe.read(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                self._write(b"".join(line + b"\n" for line in lines
+                                     if not is_native_log_line(line)))
+            if pending and not is_native_log_line(pending):
+                self._write(pending)
+
+    def _write(self, data: bytes) -> None:
+        while data:
+            data = data[os.write(self.real_stderr, data):]
+
+    def stop(self) -> None:
+        """Puts the real stderr back and forwards what is still in the pipe."""
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(self.real_stderr, 2)  # closes our write end: the reader sees the end
+        self.reader.join(timeout=5)
+
+
+_active: list[_NativeLogFilter] = []
+
+
+def start_cli_logging(argv: Sequence[str] | None = None) -> None:
+    """Sets up a command's output; call it first, before TensorFlow loads.
+
+    Args:
+        argv: the command's arguments; `--verbose` among them keeps TensorFlow's C++ logs.
+    """
+    show_project_logs()
+    argv = sys.argv[1:] if argv is None else argv
+    if _active or "--verbose" in argv or "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        return
+    _active.append(_NativeLogFilter())
+    atexit.register(stop_cli_logging)
+
+
+def stop_cli_logging() -> None:
+    """Removes the filter of `start_cli_logging` (before `os._exit`, which skips atexit)."""
+    while _active:
+        _active.pop().stop()
