@@ -92,7 +92,7 @@ def main() -> None:
         base = [sys.executable, "-m", "keras_transformer.train", "--data", str(corpus),
                 "--src", "de", "--tgt", "en", "--preset", "tiny", "--vocab-size",
                 str(args.vocab_size), "--checkpoint-every", "10", "--patience", "0",
-                "--test-split", "none", "--no-export", "--average-last", "1", "--verbose", "0", "--out", str(run_dir)]
+                "--test-split", "none", "--no-export", "--average-last", "1", "--out", str(run_dir)]
         results = {"pairs": pairs, "corpus_mb": round(sum(
             p.stat().st_size for p in corpus.glob("train.*")) / 1e6)}
         results["fresh"] = run(base + ["--max-steps", "20"], args.workdir / f"fresh-{pairs}.log")

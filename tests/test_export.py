@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_transformer import artifacts
 from keras_transformer.decoding import beam_search, encode_texts
+from keras_transformer.model import build_transformer
 from keras_transformer.saved_model import (
     METADATA_FILE,
     TranslationModule,
@@ -29,7 +30,6 @@ from keras_transformer.saved_model import (
     latest_version,
     serving_model,
 )
-from keras_transformer.model import build_transformer
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
 _GERMAN = ("ein eine der die das hund katze mann frau kind spielt läuft auf im park mit einem "

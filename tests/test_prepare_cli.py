@@ -33,7 +33,7 @@ def test_prepare_then_train_from_the_prepared_directory_elsewhere(tmp_path, caps
     (data / "train.yy").unlink()
     out = tmp_path / "machine-b" / "run"
     argv = ["--data", str(data), *TINY, "--prepared", str(copied), "--max-steps", "4",
-            "--checkpoint-every", "2", "--test-split", "none", "--no-export", "--verbose", "0",
+            "--checkpoint-every", "2", "--test-split", "none", "--no-export",
             "--out", str(out)]
     assert train_main(argv) == 0, capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())

@@ -127,3 +127,53 @@ def test_the_base_recipe_shrunk_to_tiny_trains_end_to_end_on_mocked_tfds(tmp_pat
     assert config["prepared"]["corpus_fingerprint"]
     assert (tmp_path / "prepared_wmt14-en-de" / "manifest.json").is_file()
     assert "BLEU" in result.stdout and "nrefs:1" in result.stdout
+
+
+def test_a_recipe_sets_defaults_that_flags_override():
+    from keras_transformer.recipes import RECIPES
+    from keras_transformer.train_flags import parse_args
+
+    base = ["--data", "d", "--src", "de", "--tgt", "en", "--out", "o"]
+    plain = parse_args(base)
+    assert plain.recipe is None and plain.dropout is None and plain.warmup_steps == 4000
+    recipe = parse_args(["--recipe", "multi30k", *base])
+    for key, value in RECIPES["multi30k"].items():
+        assert getattr(recipe, key) == value, key
+    # A flag given on the command line wins over the recipe, wherever it stands.
+    override = parse_args([*base, "--dropout", "0.3", "--recipe", "multi30k", "--max-steps", "9"])
+    assert (override.dropout, override.max_steps, override.warmup_steps) == (0.3, 9, 1000)
+    big = parse_args(["--recipe", "paper-big", *base])
+    assert (big.preset, big.max_steps, big.average_last, big.tokens_per_step) == (
+        "big", 300_000, 20, 25000)
+
+
+def test_the_paper_recipes_match_the_readme_commands():
+    """`--recipe paper-base` is the README's WMT14 base command, flag for flag."""
+    from keras_transformer.train_flags import parse_args
+
+    base_command, big_command = (command for command in readme_recipes()
+                                 if command[0] == "keras_transformer.train")
+    data = ["--data", "tfds:wmt14_translate/de-en", "--src", "en", "--tgt", "de",
+            "--prepared", "prepared/wmt14-en-de"]
+    for command, recipe in ((base_command, "paper-base"), (big_command, "paper-big")):
+        from_readme = vars(parse_args(command[1:]))
+        from_recipe = vars(parse_args(["--recipe", recipe, *data, "--out", from_readme["out"]]))
+        from_recipe["recipe"] = None
+        assert from_recipe == from_readme
+
+
+def test_config_json_records_the_recipe_and_the_final_values(tmp_path):
+    from keras_transformer.train import main
+
+    data = write_toy_corpus(tmp_path / "corpus")
+    out = tmp_path / "run"
+    status = main(["--recipe", "multi30k", "--data", str(data), "--src", "xx", "--tgt", "yy",
+                   "--preset", "tiny", "--vocab-size", "300", "--tokens-per-batch", "512",
+                   "--max-length", "32", "--max-steps", "2", "--checkpoint-every", "1",
+                   "--test-split", "none", "--no-export", "--out", str(out)])
+    assert status == 0
+    arguments = json.loads((out / "config.json").read_text())["arguments"]
+    assert arguments["recipe"] == "multi30k"
+    assert (arguments["dropout"], arguments["warmup_steps"], arguments["lr_scale"]) == (
+        0.2, 1000, 0.5)  # from the recipe
+    assert (arguments["preset"], arguments["max_steps"]) == ("tiny", 2)  # given flags win

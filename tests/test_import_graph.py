@@ -1,0 +1,108 @@
+"""The shape of the code: no import cycles, nothing imports a command-line module, and data
+flows one way (`pipelines` never imports `keras_transformer`). Every import counts, including
+those inside functions, which are often how a cycle hides."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.test_training_cli import REPO
+
+PACKAGES = ("keras_transformer", "pipelines")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {_module_name(path): ast.parse(path.read_text(), str(path))
+            for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))}
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The project module `name` refers to (a module, or a name in a package)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (anywhere in its body)."""
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # `from package import module` imports the module; `from m import name` m.
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                resolved = _resolve(target, known)
+                if resolved is not None and resolved != name:
+                    graph[name].add(resolved)
+    return graph
+
+
+def command_modules() -> set[str]:
+    """Modules with a `python -m` entry point (`if __name__ == "__main__":`)."""
+    return {name for name, tree in _modules().items()
+            if any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+                   for node in tree.body)}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for child in sorted(graph[node]):
+            if state.get(child) == 1:
+                return path[path.index(child):] + [child]
+            if child not in state and (cycle := visit(child)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_checker_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_import_graph_has_no_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_nothing_imports_a_command_line_module():
+    commands = command_modules()
+    assert {"keras_transformer.train", "keras_transformer.translate",
+            "keras_transformer.evaluate", "keras_transformer.export",
+            "keras_transformer.prepare", "keras_transformer.averaging"} <= commands
+    importers = {f"{module} imports {command}" for module, imports in import_graph().items()
+                 for command in imports & commands}
+    assert not importers
+
+
+def test_data_flows_one_way_pipelines_never_import_the_model():
+    graph = import_graph()
+    assert not {module: imports for module, imports in graph.items()
+                if module.startswith("pipelines") and any(
+                    target.startswith("keras_transformer") for target in imports)}
