@@ -30,6 +30,8 @@ _NATIVE_LOG = re.compile(
     rb"|WARNING: All log messages before absl::InitializeLog\(\)"
     rb"|To enable the following instructions: .* rebuild TensorFlow"
     rb"|\w+\.cc\(\d+\) LOG\((?:INFO|WARNING)\))")
+# The same glog/absl prefix in the middle of a line (after a progress bar's "\r...").
+_NATIVE_LOG_INSIDE = re.compile(rb"[IWE]\d{4} [\d:.]+\s+\d+ [\w./-]+:\d+\] ")
 LOGGERS = ("keras_transformer", "pipelines")
 
 
@@ -63,6 +65,17 @@ def is_native_log_line(line: bytes) -> bool:
     return _NATIVE_LOG.match(line) is not None
 
 
+def filter_native_logs(line: bytes) -> bytes | None:
+    """`line` without C++ log output (None: nothing left worth a line)."""
+    if is_native_log_line(line):
+        return None
+    inside = _NATIVE_LOG_INSIDE.search(line)
+    if inside is not None:  # e.g. a progress bar, then a C++ line without a newline between
+        line = line[:inside.start()].rstrip()
+        return line or None
+    return line
+
+
 class _NativeLogFilter:
     """Descriptor 2 replaced by a pipe; a thread forwards all but C++ log lines."""
 
@@ -82,10 +95,10 @@ class _NativeLogFilter:
             while chunk := pipe.read(65536):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
-                self._write(b"".join(line + b"\n" for line in lines
-                                     if not is_native_log_line(line)))
-            if pending and not is_native_log_line(pending):
-                self._write(pending)
+                kept = (filter_native_logs(line) for line in lines)
+                self._write(b"".join(line + b"\n" for line in kept if line is not None))
+            if pending and (last := filter_native_logs(pending)) is not None:
+                self._write(last)
 
     def _write(self, data: bytes) -> None:
         while data:

@@ -296,6 +296,19 @@ class Transformer(keras.Model):
             return logits, tuple(updated), scores
         return logits, tuple(updated)
 
+    def get_compile_config(self) -> dict[str, Any]:
+        """`keras.Model.get_compile_config`, plus `accumulate_steps`."""
+        config = super().get_compile_config()
+        if config and getattr(self, "_accumulator", None) is not None:
+            config["accumulate_steps"] = self._accumulator.steps
+        return config
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compiles a loaded model as it was saved (Keras' own skips a custom `compile`)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def compile(self, *args, accumulate_steps: int = 1, **kwargs) -> None:
         """`keras.Model.compile`, plus gradient accumulation for `fit`.
 

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         validate_data_flags(args)
         split = open_corpus(args.data, args.train_split, args.src, args.tgt,
-                            data_dir=args.data_dir)
+                            data_dir=args.data_dir, manual_dir=args.manual_dir)
         prepared = prepare_corpus(
             split, args.out, vocab_size=args.vocab_size, max_length=args.max_length,
             tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,

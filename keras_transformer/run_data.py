@@ -32,7 +32,7 @@ def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
     corpora: dict[str, Any] = {"train": None}
     try:
         corpora["train"] = open_corpus(args.data, args.train_split, args.src, args.tgt,
-                                       data_dir=args.data_dir)
+                                       data_dir=args.data_dir, manual_dir=args.manual_dir)
     except CorpusError as error:
         if not args.prepared:
             raise UsageError(f"train data: {error}") from None
@@ -43,7 +43,7 @@ def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
     for role, split in splits.items():
         try:
             corpora[role] = load_corpus(args.data, split, args.src, args.tgt,
-                                        data_dir=args.data_dir)
+                                        data_dir=args.data_dir, manual_dir=args.manual_dir)
         except CorpusError as error:
             raise UsageError(f"{role} data: {error}") from None
     return corpora

@@ -65,6 +65,10 @@ def add_data_flags(group) -> None:
     group.add_argument("--data", required=True,
                        help="folder of {split}.{lang}[.gz] files, or tfds:NAME[/CONFIG]")
     group.add_argument("--data-dir", help="tensorflow-datasets data_dir (tfds: data only)")
+    group.add_argument("--manual-dir",
+                       help="tfds: data only: a folder of manually downloaded files, built "
+                       "without the network (e.g. Multi30k's {split}.{lang}.gz release files "
+                       "for --data tfds:multi30k)")
     group.add_argument("--src", required=True, help="source language code, e.g. de")
     group.add_argument("--tgt", required=True, help="target language code, e.g. en")
     group.add_argument("--train-split", default="train", help="the training split")

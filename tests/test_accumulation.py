@@ -237,3 +237,25 @@ def test_two_replicas_accumulating_match_one_device_on_the_whole_batch():
     assert numbers["replicas"] == 2
     assert numbers["updates"] == [3, 3]
     assert numbers["weight_diff"] < 1e-4
+
+
+def test_a_compiled_model_reloads_compiled_without_warnings(tmp_path):
+    """`.keras` keeps the compile settings, accumulation included; Keras' default would warn
+    that a custom `compile()` was skipped and return an uncompiled model."""
+    import warnings
+
+    from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
+    from keras_transformer.optimizer import FusedAdam, paper_adam
+
+    model = build_transformer("tiny", vocab_size=50)
+    model.compile(optimizer=paper_adam(32, 100), loss=LabelSmoothedCrossEntropy(0.1),
+                  metrics=[MaskedAccuracy()], accumulate_steps=2)
+    features = {"source": np.ones((2, 5), "int32"), "target": np.ones((2, 4), "int32")}
+    model.fit(features, np.ones((2, 4), "int32"), epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.compiled and isinstance(loaded.optimizer, FusedAdam)
+    assert loaded.get_compile_config()["accumulate_steps"] == 2
+    assert isinstance(loaded.loss, LabelSmoothedCrossEntropy)
