@@ -56,10 +56,13 @@ def _round_up(value, multiple: int):
 
 
 class _Stepper:
-    """One decoding step over `rows` hypotheses, cached (one position) or uncached (prefix).
+    """One decoding step over the live hypotheses, cached (one position) or uncached (prefix).
 
-    The cached state is (self-attention cache, pending row order): reordering after a beam
-    step is deferred to the start of the next step, so with `jit_compile` the gather fuses
+    The state holds, per hypothesis row, what a step reads: the self-attention cache, the
+    encoder side (the cross-attention keys/values, or the encoder output when uncached) and
+    the source mask; plus the pending row order. `select` schedules which cache rows the
+    next step continues (a beam reorder, and fewer rows once sentences have finished); the
+    gather itself is deferred to the start of the next step, so with `jit_compile` it fuses
     into the XLA step with the cache writes instead of being one more full cache copy.
     """
 
@@ -68,54 +71,88 @@ class _Stepper:
         self.model = model
         self.use_cache = use_cache
         self.jit_compile = jit_compile
-        self.source_mask = tf.repeat(source_mask, repeats, axis=0)
+        source_mask = tf.repeat(source_mask, repeats, axis=0)
         if use_cache:
             # The encoder-side keys/values are projected once per sentence, then shared by its
             # beams; the self-attention cache starts empty.
             if jit_compile:
                 max_length = _round_up(max_length, _JIT_LENGTH_BUCKET)
             self_cache, cross_cache = model.initial_cache(encoder_output, max_length)
-            self.cross_cache = _map(lambda t: tf.repeat(t, repeats, axis=0), cross_cache)
+            cross_cache = _map(lambda t: tf.repeat(t, repeats, axis=0), cross_cache)
             self_cache = _map(lambda t: tf.repeat(t, repeats, axis=0), self_cache)
-            rows = tf.shape(tf.nest.flatten(self_cache)[0])[0]
-            self.initial_state = (self_cache, tf.range(rows))
+            rows = tf.shape(source_mask)[0]
+            self.initial_state = (self_cache, tf.range(rows), cross_cache, source_mask)
             # One XLA cluster per step fuses the cache writes and reordering with the small
             # projections; compiled once per (rows, cache length, source) shape.
             self._step = (tf.function(self._cached_step, jit_compile=True, autograph=False)
                           if jit_compile else self._cached_step)
         else:
-            self.encoder_output = tf.repeat(encoder_output, repeats, axis=0)
-            self.initial_state = tf.zeros([0], tf.float32)
+            self.initial_state = (tf.repeat(encoder_output, repeats, axis=0), source_mask)
 
-    def _cached_step(self, tokens, cache, rows, index):
+    def _cached_step(self, tokens, cache, rows, cross_cache, source_mask, index):
         def reordered():
             return _map(lambda t: tf.gather(t, rows, axis=0), cache)
 
         if self.jit_compile:
             cache = reordered()
-        else:  # without XLA the gather is a full copy: skip it when no beam moved
-            unchanged = tf.reduce_all(rows == tf.range(tf.shape(rows)[0]))
+        else:  # without XLA the gather is a full copy: skip it when no row moved
+            unchanged = tf.reduce_all(rows == tf.range(tf.shape(rows)[0])) & (
+                tf.shape(rows)[0] == tf.shape(tf.nest.flatten(cache)[0])[0])
             cache = tf.cond(unchanged, lambda: cache, reordered)
-        logits, cache = self.model.decode(tokens, self.source_mask, cache, self.cross_cache,
-                                          index)
+        logits, cache = self.model.decode(tokens, source_mask, cache, cross_cache, index)
         return tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32)), cache
 
     def __call__(self, sequences, index, state):
         """Log-probs (rows, vocab) float32 of the token after `sequences[:, index]`."""
         if self.use_cache:
-            cache, rows = state
-            log_probs, cache = self._step(sequences[:, index: index + 1], cache, rows, index)
-            return log_probs, (cache, tf.range(tf.shape(rows)[0]))
+            cache, rows, cross_cache, source_mask = state
+            log_probs, cache = self._step(sequences[:, index: index + 1], cache, rows,
+                                          cross_cache, source_mask, index)
+            return log_probs, (cache, tf.range(tf.shape(rows)[0]), cross_cache, source_mask)
         # The whole decoder re-runs over the prefix with fresh caches: the baseline that the
         # cache is measured against (the encoder output is still computed once).
+        encoder_output, source_mask = state
         prefix = sequences[:, : index + 1]
-        self_cache, cross_cache = self.model.initial_cache(self.encoder_output, index + 1)
-        logits, _ = self.model.decode(prefix, self.source_mask, self_cache, cross_cache, 0)
+        self_cache, cross_cache = self.model.initial_cache(encoder_output, index + 1)
+        logits, _ = self.model.decode(prefix, source_mask, self_cache, cross_cache, 0)
         return tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32)), state
 
-    def reorder(self, state, rows):
-        """Schedules the cache rows of the surviving hypotheses for the next step."""
-        return (state[0], rows) if self.use_cache else state
+    def select(self, state, rows, kept=None):
+        """The state for the next step: its row i continues the cache row `rows[i]` of this
+        step. `kept` (the rows of this step that go on, in the new order; None: all) is given
+        when finished sentences leave: the encoder side then shrinks with them."""
+        if kept is not None:
+            state = self._keep_encoder_side(state, kept)
+        return (state[0], rows, *state[2:]) if self.use_cache else state
+
+    def _keep_encoder_side(self, state, kept):
+        if self.use_cache:
+            cache, rows, cross_cache, source_mask = state
+            cross_cache = _map(lambda t: tf.gather(t, kept, axis=0), cross_cache)
+            return cache, rows, cross_cache, tf.gather(source_mask, kept, axis=0)
+        encoder_output, source_mask = state
+        return tf.gather(encoder_output, kept, axis=0), tf.gather(source_mask, kept, axis=0)
+
+
+def _kept_sentences(active, jit_compile):
+    """Which sentences (rows of `active` (n,) bool) the next step computes, active first.
+
+    Leaving the batch costs a copy of the rows that stay (the cache is gathered), so the
+    batch shrinks once a quarter of its rows have finished, to exactly the active ones.
+    With XLA every new row count is a new compilation, so the count only falls to a power of
+    two (32, 16, 8, ...: a handful of shapes), the remaining places filled with finished
+    sentences, computed but ignored.
+    """
+    rows = tf.shape(active)[0]
+    count = tf.reduce_sum(tf.cast(active, tf.int32))
+    if jit_compile:
+        count = tf.minimum(rows, tf.bitwise.left_shift(1, tf.cast(tf.math.ceil(
+            tf.math.log(tf.cast(tf.maximum(count, 1), tf.float32)) / tf.math.log(2.0)),
+            tf.int32)))
+    else:
+        count = tf.where(rows - count >= tf.maximum(rows // 4, 1), count, rows)
+    order = tf.argsort(tf.cast(tf.logical_not(active), tf.int32), stable=True)
+    return order[:count]
 
 
 def _encode(model, source_ids, jit_compile):
@@ -145,7 +182,8 @@ def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_l
     """Greedy decoding. Returns ids (batch, T) int32 and summed log-probs (batch,) float32.
 
     Arguments as in `decoding.greedy_search`, all tensors; `force_length > 0` masks EOS and
-    stops every sentence at exactly that many tokens.
+    stops every sentence at exactly that many tokens. A sentence leaves the batch at the step
+    it ends (EOS or its length limit): later steps compute only the sentences still going.
     """
     batch = tf.shape(source_ids)[0]
     limits = _limits(source_ids, extra_length, max_length, force_length)
@@ -155,27 +193,43 @@ def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_l
     stepper = _Stepper(model, encoder_output, source_mask, 1, steps, use_cache, jit_compile)
     sequences = _write_column(tf.zeros([batch, steps + 1], tf.int32), 0, tf.fill([batch], BOS_ID))
 
-    def body(index, sequences, scores, finished, state):
+    def body(index, sequences, scores, sentences, active, output, output_scores, state):
+        # Row i is sentence `sentences[i]`; inactive rows are finished ones kept as padding.
         log_probs, state = stepper(sequences, index, state)
         log_probs += _token_bias(tf.shape(log_probs)[-1], index + 1 >= min_length)[None, :]
-        tokens = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
-        tokens = tf.where(finished, PAD_ID, tokens)
-        chosen = tf.gather(log_probs, tokens, batch_dims=1)
-        scores += tf.where(finished, 0.0, chosen)
+        tokens = tf.where(active, tf.argmax(log_probs, axis=-1, output_type=tf.int32), PAD_ID)
+        scores += tf.where(active, tf.gather(log_probs, tokens, batch_dims=1), 0.0)
         sequences = _write_column(sequences, index + 1, tokens)
-        finished |= (tokens == EOS_ID) | (index + 1 >= limits)
-        return index + 1, sequences, scores, finished, state
+        ends = active & ((tokens == EOS_ID) | (index + 1 >= tf.gather(limits, sentences)))
+        ending = tf.where(ends)[:, 0]
+        at = tf.gather(sentences, ending)[:, None]
+        output = tf.tensor_scatter_nd_update(output, at, tf.gather(sequences, ending))
+        output_scores = tf.tensor_scatter_nd_update(output_scores, at, tf.gather(scores, ending))
+        active &= tf.logical_not(ends)
+        kept = _kept_sentences(active, jit_compile)
 
-    def cond(index, sequences, scores, finished, state):
-        return tf.logical_not(tf.reduce_all(finished))
+        def shrink():
+            return (tf.gather(sequences, kept), tf.gather(scores, kept),
+                    tf.gather(sentences, kept), tf.gather(active, kept),
+                    stepper.select(state, kept, kept))
 
-    loop_vars = (tf.constant(0), sequences, tf.zeros([batch]), tf.zeros([batch], tf.bool),
+        def same():
+            return sequences, scores, sentences, active, stepper.select(
+                state, tf.range(tf.shape(active)[0]))
+
+        sequences, scores, sentences, active, state = tf.cond(
+            tf.size(kept) < tf.size(active), shrink, same)
+        return index + 1, sequences, scores, sentences, active, output, output_scores, state
+
+    def cond(index, sequences, scores, sentences, active, *_):
+        return tf.reduce_any(active)
+
+    loop_vars = (tf.constant(0), sequences, tf.zeros([batch]), tf.range(batch),
+                 tf.ones([batch], tf.bool), tf.zeros_like(sequences), tf.zeros([batch]),
                  stepper.initial_state)
-    _, sequences, scores, _, _ = tf.while_loop(
-        cond, body, loop_vars, maximum_iterations=steps,
-        shape_invariants=_invariants(loop_vars),
-    )
-    return _trim(sequences[:, 1:]), scores
+    outputs = tf.while_loop(cond, body, loop_vars, maximum_iterations=steps,
+                            shape_invariants=_invariants(loop_vars))
+    return _trim(outputs[5][:, 1:]), outputs[6]
 
 
 def _invariants(loop_vars):
@@ -201,7 +255,8 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     only ever displaced by a better-scoring finished one. A sentence stops when its limit is
     reached or when its `num_return`-th best finished score beats the best score any alive
     beam could still reach (log-probs only fall, and alpha >= 0 makes the penalty largest at
-    the limit); a stopped sentence's results are frozen while others in the batch go on.
+    the limit). A stopped sentence's pool goes to the output and the sentence leaves the
+    batch: later steps compute only the sentences still searching (as CTranslate2 does).
 
     Returns:
         ids (batch, num_return, T) int32 and length-penalized scores (batch, num_return).
@@ -209,7 +264,6 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     if num_return is None:
         num_return = beam_size
     batch = tf.shape(source_ids)[0]
-    rows = batch * beam_size
     limits = _limits(source_ids, extra_length, max_length, force_length)
     steps = tf.reduce_max(limits)
     min_length = tf.where(force_length > 0, force_length + 1, min_length)
@@ -217,6 +271,7 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     encoder_output, source_mask = _encode(model, source_ids, jit_compile)
     stepper = _Stepper(model, encoder_output, source_mask, beam_size, steps, use_cache,
                        jit_compile)
+    beams = tf.range(beam_size)
 
     width = steps + 1
     alive_seq = _write_column(tf.zeros([batch, beam_size, width], tf.int32), 0,
@@ -228,24 +283,26 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     finished_seq = tf.zeros([batch, beam_size, width], tf.int32)
     finished_scores = tf.fill([batch, beam_size], NEG_INF)
     finished_flags = tf.zeros([batch, beam_size], tf.bool)
-    done = tf.zeros([batch], tf.bool)
-    row_offsets = tf.range(batch)[:, None] * beam_size
 
-    def body(index, alive_seq, alive_log_probs, finished_seq, finished_scores, finished_flags,
-             done, state):
+    def body(index, sentences, active, alive_seq, alive_log_probs, finished_seq,
+             finished_scores, finished_flags, output, output_scores, state):
+        # Row i of the per-sentence tensors is sentence `sentences[i]`; inactive rows are
+        # finished sentences kept as padding (XLA only), whose results are already out.
+        count = tf.shape(sentences)[0]
+        rows = count * beam_size
         flat_seq = tf.reshape(alive_seq, [rows, width])
         log_probs, state = stepper(flat_seq, index, state)
         vocab = tf.shape(log_probs)[-1]
         log_probs += _token_bias(vocab, index + 1 >= min_length)[None, :]
-        candidates = alive_log_probs[:, :, None] + tf.reshape(log_probs, [batch, beam_size, vocab])
+        candidates = alive_log_probs[:, :, None] + tf.reshape(log_probs, [count, beam_size, vocab])
         top_log_probs, top_ids = tf.math.top_k(
-            tf.reshape(candidates, [batch, beam_size * vocab]), k=2 * beam_size)
+            tf.reshape(candidates, [count, beam_size * vocab]), k=2 * beam_size)
         parents, tokens = top_ids // vocab, top_ids % vocab
         candidate_seq = _write_column(
             tf.gather(alive_seq, parents, batch_dims=1), index + 1, tokens)
 
-        active = (index < limits) & tf.logical_not(done)
-        at_limit = index + 1 >= limits
+        sentence_limits = tf.gather(limits, sentences)
+        at_limit = index + 1 >= sentence_limits
         is_eos = tokens == EOS_ID
         ends = ((is_eos | at_limit[:, None]) & active[:, None]
                 & (top_log_probs > NEG_INF / 2))
@@ -267,20 +324,46 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
         finished_seq = tf.gather(pool_seq, best, batch_dims=1)
         finished_flags = tf.gather(pool_flags, best, batch_dims=1)
 
-        best_alive_bound = alive_log_probs[:, 0] / max_penalty
+        best_alive_bound = alive_log_probs[:, 0] / tf.gather(max_penalty, sentences)
         settled = finished_flags[:, num_return - 1] & (
             finished_scores[:, num_return - 1] > best_alive_bound)
-        done = done | at_limit | settled
-        state = stepper.reorder(state, tf.reshape(alive_parents + row_offsets, [rows]))
-        return (index + 1, alive_seq, alive_log_probs, finished_seq, finished_scores,
-                finished_flags, done, state)
+        stops = active & (at_limit | settled)
+        stopping = tf.where(stops)[:, 0]
+        at = tf.gather(sentences, stopping)[:, None]
+        output = tf.tensor_scatter_nd_update(output, at, tf.gather(finished_seq, stopping))
+        output_scores = tf.tensor_scatter_nd_update(output_scores, at,
+                                                    tf.gather(finished_scores, stopping))
+        active &= tf.logical_not(stops)
+        # The next step's cache rows: each surviving beam's parent row.
+        parent_rows = alive_parents + tf.range(count)[:, None] * beam_size
+        kept = _kept_sentences(active, jit_compile)
 
-    def cond(index, *loop_vars):
-        return tf.logical_not(tf.reduce_all(loop_vars[-2]))
+        def shrink():
+            kept_rows = tf.reshape(kept[:, None] * beam_size + beams[None, :], [-1])
+            gathered = [tf.gather(t, kept) for t in (
+                sentences, active, alive_seq, alive_log_probs, finished_seq, finished_scores,
+                finished_flags)]
+            return (*gathered, stepper.select(
+                state, tf.reshape(tf.gather(parent_rows, kept), [-1]), kept_rows))
 
-    loop_vars = (tf.constant(0), alive_seq, alive_log_probs, finished_seq, finished_scores,
-                 finished_flags, done, stepper.initial_state)
+        def same():
+            return (sentences, active, alive_seq, alive_log_probs, finished_seq,
+                    finished_scores, finished_flags,
+                    stepper.select(state, tf.reshape(parent_rows, [-1])))
+
+        (sentences, active, alive_seq, alive_log_probs, finished_seq, finished_scores,
+         finished_flags, state) = tf.cond(tf.size(kept) < count, shrink, same)
+        return (index + 1, sentences, active, alive_seq, alive_log_probs, finished_seq,
+                finished_scores, finished_flags, output, output_scores, state)
+
+    def cond(index, sentences, active, *_):
+        return tf.reduce_any(active)
+
+    loop_vars = (tf.constant(0), tf.range(batch), tf.ones([batch], tf.bool), alive_seq,
+                 alive_log_probs, finished_seq, finished_scores, finished_flags,
+                 tf.zeros_like(finished_seq), tf.fill([batch, beam_size], NEG_INF),
+                 stepper.initial_state)
     outputs = tf.while_loop(cond, body, loop_vars, maximum_iterations=steps,
                             shape_invariants=_invariants(loop_vars))
-    finished_seq, finished_scores = outputs[3], outputs[4]
-    return _trim(finished_seq[:, :num_return, 1:]), finished_scores[:, :num_return]
+    output, output_scores = outputs[-3], outputs[-2]
+    return _trim(output[:, :num_return, 1:]), output_scores[:, :num_return]
