@@ -151,6 +151,14 @@ class ProgressLog(keras.callbacks.Callback):
         self.report(" · ".join(parts))
 
 
+class StepTensorBoard(keras.callbacks.TensorBoard):
+    """`keras.callbacks.TensorBoard` whose x axis is the optimizer step, not Keras' interval
+    ("epoch") index: curves of runs with different intervals, or resumed runs, line up."""
+
+    def _log_epoch_metrics(self, epoch, logs):
+        super()._log_epoch_metrics(global_step(self.model), logs)
+
+
 class StopAt(keras.callbacks.Callback):
     """Stops after `max_steps` optimizer steps or `max_seconds` of training, whichever first.
 

@@ -171,7 +171,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
                  keras.callbacks.CSVLogger(str(home / artifacts.LOG_DIR / "metrics.csv"),
                                            append=True)]
     if importlib.util.find_spec("tensorboard") is not None:
-        callbacks.append(keras.callbacks.TensorBoard(str(home / artifacts.LOG_DIR)))
+        callbacks.append(cb.StepTensorBoard(str(home / artifacts.LOG_DIR)))
     else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
         _LOG.info("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
     # Last: every stop is taken by all workers together, between optimizer updates.
