@@ -260,6 +260,7 @@ class Transformer(keras.Model):
         cross_cache,
         cache_update_index,
         return_attention_scores: bool = False,
+        grow_cache: bool = False,
     ):
         """Decoder logits for `target_ids` at absolute positions from `cache_update_index`.
 
@@ -270,6 +271,9 @@ class Transformer(keras.Model):
             cache_update_index: int scalar, position of `target_ids[:, 0]`.
             return_attention_scores: also return a list (one per layer) of encoder-decoder
                 attention weights (batch, num_heads, length, source_length).
+            grow_cache: the self-attention caches hold exactly the positions before
+                `cache_update_index` (from `initial_cache(..., max_length=0)`) and grow by
+                `length`, instead of being written into at a fixed length.
 
         Returns:
             (float32 logits (batch, length, vocab_size), updated self_cache
@@ -286,6 +290,7 @@ class Transformer(keras.Model):
                 cache_update_index=cache_update_index,
                 cross_attention_cache=layer_cross_cache,
                 return_attention_scores=return_attention_scores,
+                grow_cache=grow_cache,
             )
             x = outputs[0]
             if return_attention_scores:

@@ -1,8 +1,9 @@
 """The graph-mode search loops behind `keras_transformer.decoding` (paper 6.1).
 
 Both loops are plain TensorFlow (`tf.while_loop`) so they trace into a `tf.function` and export
-into a SavedModel. They only use a model's `encode`, `initial_cache` and `decode` methods, so any
-object exposing that API (such as a hand-made test model) can be searched.
+into a SavedModel. They only use a model's `encode`, `initial_cache` and `decode` methods (with
+`Transformer.decode`'s `grow_cache` argument), so any object exposing that API (such as a
+hand-made test model) can be searched.
 
 Conventions: token buffers hold BOS in column 0 and the generated token of step `i` in column
 `i + 1`; the batch*beam axis is batch-major (row `b * beam_size + k`).
@@ -74,9 +75,10 @@ class _Stepper:
         source_mask = tf.repeat(source_mask, repeats, axis=0)
         if use_cache:
             # The encoder-side keys/values are projected once per sentence, then shared by its
-            # beams; the self-attention cache starts empty.
-            if jit_compile:
-                max_length = _round_up(max_length, _JIT_LENGTH_BUCKET)
+            # beams. The self-attention cache grows by one position a step, so a step copies
+            # (reorders, appends) only the positions so far. XLA wants fixed shapes instead: a
+            # cache of the whole length, written in place.
+            max_length = _round_up(max_length, _JIT_LENGTH_BUCKET) if jit_compile else 0
             self_cache, cross_cache = model.initial_cache(encoder_output, max_length)
             cross_cache = _map(lambda t: tf.repeat(t, repeats, axis=0), cross_cache)
             self_cache = _map(lambda t: tf.repeat(t, repeats, axis=0), self_cache)
@@ -99,7 +101,8 @@ class _Stepper:
             unchanged = tf.reduce_all(rows == tf.range(tf.shape(rows)[0])) & (
                 tf.shape(rows)[0] == tf.shape(tf.nest.flatten(cache)[0])[0])
             cache = tf.cond(unchanged, lambda: cache, reordered)
-        logits, cache = self.model.decode(tokens, source_mask, cache, cross_cache, index)
+        logits, cache = self.model.decode(tokens, source_mask, cache, cross_cache, index,
+                                          grow_cache=not self.jit_compile)
         return tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32)), cache
 
     def __call__(self, sequences, index, state):

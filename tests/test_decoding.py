@@ -59,7 +59,8 @@ class TableModel:
         empty, source = tf.zeros([batch, 1, max_length, 1]), tf.zeros([batch, 1, length, 1])
         return ((empty, empty),), ((source, source),)
 
-    def decode(self, target_ids, source_mask, self_cache, cross_cache, cache_update_index):
+    def decode(self, target_ids, source_mask, self_cache, cross_cache, cache_update_index,
+               grow_cache=False):
         return tf.gather(self.log_table, target_ids), self_cache
 
 

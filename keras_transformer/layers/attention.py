@@ -83,6 +83,10 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             is for inference: no attention dropout is applied with it.
         cache_update_index: int scalar; where to write the projections of `key`/`value` into
             the cache before attending over the whole cache.
+        grow_cache: append the new projections to the cache (which then holds exactly the
+            positions before `cache_update_index`) instead of writing them into a cache of
+            fixed length: each step copies only the positions so far (without XLA, writing
+            into a fixed-length cache copies all of it).
         return_attention_scores: also return weights (batch, num_heads, target_length,
             source_length).
         training: Python bool; enables dropout.
@@ -115,6 +119,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         cache_update_index=None,
         return_attention_scores: bool = False,
         training=None,
+        grow_cache: bool = False,
     ):
         if cache is not None and cache_update_index is None:
             (query_heads,) = self._project(query, self._query_dense)
@@ -131,7 +136,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 else:
                     (key_heads,) = self._project(key, self._key_dense)
                     (value_heads,) = self._project(value, self._value_dense)
-            if cache is not None:
+            if cache is not None and grow_cache:
+                key_heads = ops.concatenate([cache[0], key_heads], axis=2)
+                value_heads = ops.concatenate([cache[1], value_heads], axis=2)
+                cache = (key_heads, value_heads)
+            elif cache is not None:
                 start = [0, 0, cache_update_index, 0]
                 key_heads = ops.slice_update(cache[0], start, key_heads)
                 value_heads = ops.slice_update(cache[1], start, value_heads)

@@ -29,6 +29,8 @@ class DecoderLayer(EncoderLayer):
         self_attention_cache: optional pair (keys, values), each (batch, num_heads,
             max_length, d_k), of earlier target positions; requires `cache_update_index`.
         cache_update_index: int scalar, absolute position of `inputs[:, 0]`.
+        grow_cache: the self-attention cache holds exactly the positions before
+            `cache_update_index` and grows by `target_length` (see `MultiHeadAttention`).
         cross_attention_cache: optional pair (keys, values), each (batch, num_heads,
             source_length, d_k): the projected encoder output (see
             `MultiHeadAttention.project_key_value`), computed once per sentence instead of
@@ -70,6 +72,7 @@ class DecoderLayer(EncoderLayer):
         cross_attention_cache=None,
         return_attention_scores: bool = False,
         training=None,
+        grow_cache: bool = False,
     ):
         target_length = ops.shape(inputs)[1]
         x = self.self_attention_block.before(inputs)
@@ -79,13 +82,15 @@ class DecoderLayer(EncoderLayer):
                 training=training,
             )
         else:
+            key_length = ops.shape(self_attention_cache[0])[2]
+            if grow_cache:
+                key_length = key_length + target_length
+            # One new position attends to every cached one: no mask needed.
+            mask = (None if grow_cache and isinstance(target_length, int) and target_length == 1
+                    else causal_mask(target_length, key_length, cache_update_index))
             attended, self_attention_cache = self.self_attention(
-                x, x,
-                attention_mask=causal_mask(
-                    target_length, ops.shape(self_attention_cache[0])[2], cache_update_index
-                ),
-                cache=self_attention_cache, cache_update_index=cache_update_index,
-                training=training,
+                x, x, attention_mask=mask, cache=self_attention_cache,
+                cache_update_index=cache_update_index, training=training, grow_cache=grow_cache,
             )
         x = self.self_attention_block.after(inputs, attended, training=training)
 
