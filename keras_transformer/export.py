@@ -38,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS)
     parser.add_argument("--max-extra-length", type=int, default=DEFAULT_EXTRA_LENGTH)
+    parser.add_argument("--jit-compile", action="store_true",
+                        help="saved_model only: XLA-compile each decoding step (TF Serving on "
+                        "CPU then needs --xla_cpu_compilation_enabled)")
     args = parser.parse_args(argv)
     if args.format == "ctranslate2" and importlib.util.find_spec("ctranslate2") is None:
         print("export: error: --format ctranslate2 needs the ctranslate2 package: "
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = export_saved_model(
             model, tokenizer, args.export_base, version=args.version,
             max_input_tokens=args.max_input_tokens, max_extra_length=args.max_extra_length,
-            beam_size=args.beam, alpha=args.alpha)
+            beam_size=args.beam, alpha=args.alpha, jit_compile=args.jit_compile)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         print(f"export: error: {error}", file=sys.stderr)
         return 1

@@ -75,13 +75,16 @@ class TranslationModule(tf.Module):
         max_input_tokens: source tokens kept per text (EOS included).
         max_extra_length: output tokens allowed beyond the source length (paper: 50).
         chunk_size: sentences decoded together; larger batches are split.
+        jit_compile: XLA-compile each decoding step inside the SavedModel (the search loop
+            stays a TF graph). TF Serving runs it only with `--xla_cpu_compilation_enabled`
+            on CPUs; the first request of each new shape compiles (seconds).
     """
 
     def __init__(self, model, tokenizer, *, beam_size: int = DEFAULT_BEAM_SIZE,
                  alpha: float = DEFAULT_ALPHA,
                  max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
                  max_extra_length: int = DEFAULT_EXTRA_LENGTH,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, jit_compile: bool = False):
         super().__init__(name="translator")
         if not 1 <= beam_size <= MAX_BEAM_SIZE:
             raise ValueError(f"beam_size must be in [1, {MAX_BEAM_SIZE}], got {beam_size}.")
@@ -94,6 +97,7 @@ class TranslationModule(tf.Module):
         self.max_input_tokens, self.max_extra_length = int(max_input_tokens), int(max_extra_length)
         self.max_output_tokens = self.max_input_tokens + self.max_extra_length
         self.chunk_size = int(chunk_size)
+        self.jit_compile = bool(jit_compile)
 
     @tf.function(input_signature=[_STRINGS], autograph=False)
     def serve(self, inputs):
@@ -131,7 +135,8 @@ class TranslationModule(tf.Module):
             ids, chunk_scores = beam_search(
                 self.model, tf.gather(sources, rows).to_tensor(), beam_size=beam_size,
                 alpha=alpha, extra_length=self.max_extra_length,
-                max_length=self.max_output_tokens, num_return=None if nbest else 1)
+                max_length=self.max_output_tokens, num_return=None if nbest else 1,
+                jit_compile=self.jit_compile)
             ids = tf.reshape(ids, [-1, tf.shape(ids)[-1]])
             texts = self.tokenizer.detokenize(ids)
             # A model may emit byte pieces that do not form valid UTF-8; JSON needs it valid.
@@ -201,6 +206,7 @@ def export_saved_model(
     beam_size: int = DEFAULT_BEAM_SIZE,
     alpha: float = DEFAULT_ALPHA,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    jit_compile: bool = False,
 ) -> Path:
     """Writes `<export_base>/<version>/` (SavedModel + assets.extra metadata), atomically.
 
@@ -209,7 +215,7 @@ def export_saved_model(
         tokenizer: its `SubwordTokenizer`.
         export_base: the model's folder, e.g. saved_models/<name>.
         version: integer version; default: one more than the highest existing (or 1).
-        max_input_tokens, max_extra_length, beam_size, alpha, chunk_size: see
+        max_input_tokens, max_extra_length, beam_size, alpha, chunk_size, jit_compile: see
             `TranslationModule`.
 
     Returns:
@@ -233,7 +239,7 @@ def export_saved_model(
     module = TranslationModule(
         serving_model(model), tokenizer, beam_size=beam_size, alpha=alpha,
         max_input_tokens=max_input_tokens, max_extra_length=max_extra_length,
-        chunk_size=chunk_size)
+        chunk_size=chunk_size, jit_compile=jit_compile)
     staging = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=export_base))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the version from a server user
@@ -249,6 +255,7 @@ def export_saved_model(
             "max_extra_length": module.max_extra_length,
             "max_output_tokens": module.max_output_tokens,
             "max_beam_size": MAX_BEAM_SIZE, "chunk_size": module.chunk_size,
+            "jit_compile": module.jit_compile,
             "model_config": _jsonable(model.get_config()),
             "vocab_size": int(tokenizer.vocab_size),
         }
