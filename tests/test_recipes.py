@@ -160,20 +160,3 @@ def test_the_paper_recipes_match_the_readme_commands():
         from_recipe = vars(parse_args(["--recipe", recipe, *data, "--out", from_readme["out"]]))
         from_recipe["recipe"] = None
         assert from_recipe == from_readme
-
-
-def test_config_json_records_the_recipe_and_the_final_values(tmp_path):
-    from keras_transformer.train import main
-
-    data = write_toy_corpus(tmp_path / "corpus")
-    out = tmp_path / "run"
-    status = main(["--recipe", "multi30k", "--data", str(data), "--src", "xx", "--tgt", "yy",
-                   "--preset", "tiny", "--vocab-size", "300", "--tokens-per-batch", "512",
-                   "--max-length", "32", "--max-steps", "2", "--checkpoint-every", "1",
-                   "--test-split", "none", "--no-export", "--out", str(out)])
-    assert status == 0
-    arguments = json.loads((out / "config.json").read_text())["arguments"]
-    assert arguments["recipe"] == "multi30k"
-    assert (arguments["dropout"], arguments["warmup_steps"], arguments["lr_scale"]) == (
-        0.2, 1000, 0.5)  # from the recipe
-    assert (arguments["preset"], arguments["max_steps"]) == ("tiny", 2)  # given flags win

@@ -156,9 +156,11 @@ def test_refuses_a_run_dir_trained_with_other_settings_and_foreign_folders(tmp_p
 def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
     data = write_toy_corpus(tmp_path / "corpus")
     out, export = tmp_path / "run", tmp_path / "export"
-    command = [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TINY,
-               "--max-steps", "30", "--checkpoint-every", "10", "--average-last", "2",
-               "--beam", "2", "--export-dir", str(export), "--out", str(out)]
+    # The quickstart's recipe, shrunk by flags (which override it).
+    command = [sys.executable, "-m", "keras_transformer.train", "--recipe", "multi30k",
+               "--data", str(data), *TINY, "--max-steps", "30", "--checkpoint-every", "10",
+               "--validate-every", "10", "--average-last", "2", "--beam", "2",
+               "--export-dir", str(export), "--out", str(out)]
     result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -170,6 +172,11 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
     assert re.search(r"^step 10 / 30 · [\d.]+ min, ~\d+ min left · loss ", result.stdout, re.M)
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 30
+    # config.json records the recipe, its values and the flags that overrode it.
+    arguments = json.loads((out / "config.json").read_text())["arguments"]
+    assert (arguments["recipe"], arguments["dropout"], arguments["warmup_steps"],
+            arguments["lr_scale"], arguments["preset"], arguments["max_steps"]) == (
+        "multi30k", 0.2, 1000, 0.5, "tiny", 30)
     assert 0.0 <= results["bleu"] <= 100.0 and "tok:13a" in results["bleu_signature"]
     assert results["best_val_loss"] is not None
     for name in ("model.keras", "config.json", "tokenizer", "logs/metrics.csv",
