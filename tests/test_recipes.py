@@ -77,7 +77,8 @@ def _relocated(argv: list[str], tmp_path) -> list[str]:
 def test_the_readme_lists_prepare_base_and_big():
     commands = readme_recipes()
     assert [c[0] for c in commands] == ["keras_transformer.prepare", "keras_transformer.train",
-                                        "keras_transformer.train"]
+                                        "keras_transformer.train", "keras_transformer.train"]
+    assert commands[2][1:3] == ["--recipe", "paper-base"]  # checked flag for flag below
     for command in commands:
         assert command[command.index("--data") + 1] == "tfds:wmt14_translate/de-en"
     prepare = prepare_parser().parse_args(commands[0][1:])
@@ -88,7 +89,7 @@ def test_the_readme_lists_prepare_base_and_big():
 @pytest.mark.slow
 def test_readme_wmt14_commands_pass_validation_and_make_the_papers_step(tmp_path):
     examples = _from_toy({"train": 50})
-    _, base, big = readme_recipes()
+    _, base, _, big = readme_recipes()
     for command, preset, steps, averaged in ((base, "base", 100000, 5),
                                              (big, "big", 300000, 20)):
         result = _run_mocked(examples, [*_relocated(command[1:], tmp_path), "--dry-run"])
@@ -152,7 +153,8 @@ def test_the_paper_recipes_match_the_readme_commands():
     from keras_transformer.train_flags import parse_args
 
     base_command, big_command = (command for command in readme_recipes()
-                                 if command[0] == "keras_transformer.train")
+                                 if command[0] == "keras_transformer.train"
+                                 and "--recipe" not in command)
     data = ["--data", "tfds:wmt14_translate/de-en", "--src", "en", "--tgt", "de",
             "--prepared", "prepared/wmt14-en-de"]
     for command, recipe in ((base_command, "paper-base"), (big_command, "paper-big")):
