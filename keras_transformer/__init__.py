@@ -63,6 +63,7 @@ _EXPORTS = {
     "MaskedAccuracy": "keras_transformer.losses",
     "Perplexity": "keras_transformer.losses",
     "select_strategy": "keras_transformer.distribution",
+    "build_for_distributed_fit": "keras_transformer.keras_patches",
     "RECIPES": "keras_transformer.recipes",
     # 6.1 Checkpoint averaging, beam search, translation and its score.
     "average_checkpoints": "keras_transformer.checkpoints",

@@ -13,6 +13,7 @@ import numbers
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from keras_transformer.accumulation import GradientAccumulator
@@ -343,9 +344,16 @@ class Transformer(keras.Model):
             self._accumulator = GradientAccumulator(self, accumulate_steps)
 
     def fit(self, *args, **kwargs):
-        """`keras.Model.fit`; with `accumulate_steps` > 1 each `fit` starts a fresh update."""
+        """`keras.Model.fit`; with `accumulate_steps` > 1 each `fit` starts a fresh update.
+
+        A `tf.data.Dataset` is shuffled by its pipeline (`make_batches`), so `shuffle`
+        defaults to False for one (Keras would warn that it ignores its default True).
+        """
         if getattr(self, "_accumulator", None) is not None:
             self._accumulator.reset()
+        data = args[0] if args else kwargs.get("x")
+        if isinstance(data, tf.data.Dataset | tf.distribute.DistributedDataset):
+            kwargs.setdefault("shuffle", False)
         return super().fit(*args, **kwargs)
 
     def load_weights(self, *args, **kwargs):
