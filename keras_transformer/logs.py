@@ -129,6 +129,9 @@ def start_cli_logging(argv: Sequence[str] | None = None) -> None:
         return
     _active.append(_NativeLogFilter())
     atexit.register(stop_cli_logging)
+    # And at the source, for what TensorFlow logs once absl is initialized: some errors span
+    # several lines (a cluster's barrier timeout lists every task), only the first prefixed.
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 
 def stop_cli_logging() -> None:

@@ -187,7 +187,7 @@ def launch():
 
     def start(config: str, command: list[str], **extra: str) -> subprocess.Popen:
         env = cli_env(TF_CONFIG=config, **extra)
-        env.pop("TF_CPP_MIN_LOG_LEVEL")  # what a user sees: the command's own default
+        env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # what a user sees: the command's own default
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         started.append(process)
@@ -361,13 +361,14 @@ def test_a_killed_worker_stops_the_other_in_bounded_time_and_a_restart_resumes(
 
     # The same two commands again: the run resumes from the backup and finishes.
     logs = finish(two_workers(launch, data, out, [flags, flags], ports, tmp_path, "again"))
-    assert f"steps {backed_up} -> 24" in logs[0]
+    assert f"resuming at step {backed_up}, until 24 steps" in logs[0]
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 24 and results["replicas"] == 2 and results["workers"] == 2
     assert results["precision"] == "mixed_float16" and results["skipped_updates"] >= 0
     budget = json.loads((out / "config.json").read_text())["step_budget"]
     assert budget == {"micro_batch": 512, "replicas": 2, "accumulate": 2, "tokens_per_step": 2048}
-    assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*")) == [
+    # The last 5 (and those up to the best validation step, kept for averaging).
+    assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*"))[-5:] == [
         f"ckpt-{step:08d}.weights.h5" for step in (8, 12, 16, 20, 24)]
     assert (out / "model.keras").is_file()
     # Only the chief wrote: the other worker's scratch folder is gone.

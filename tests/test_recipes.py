@@ -121,7 +121,7 @@ def test_the_base_recipe_shrunk_to_tiny_trains_end_to_end_on_mocked_tfds(tmp_pat
     results = json.loads((run / "results.json").read_text())
     config = json.loads((run / "config.json").read_text())
     assert results["steps"] == 4 and results["test_split"] == "test"
-    assert results["averaged_steps"] == [2, 4]
+    assert results["averaging"]["candidates"][0]["steps"] == [2, 4]  # the last 2, averaged
     assert results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert config["step_budget"] == {"micro_batch": 256, "replicas": 1, "accumulate": 4,
                                      "tokens_per_step": 1024}

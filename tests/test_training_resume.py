@@ -61,7 +61,7 @@ def test_sigkill_mid_run_then_same_command_resumes_to_the_same_result(tmp_path):
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
     log = uninterrupted.communicate(timeout=300)[0]
     assert uninterrupted.returncode == 0, log[-3000:]
-    assert f"steps {killed_at} -> {STEPS}" in finished.stdout
+    assert f"resuming at step {killed_at}, until {STEPS} steps" in finished.stdout
 
     expected = json.loads((reference / "results.json").read_text())
     actual = json.loads((resumed / "results.json").read_text())
@@ -123,7 +123,7 @@ def test_killed_between_micro_batches_of_one_update_resumes_without_half_or_doub
     finished = subprocess.run(command, cwd=REPO, env=cli_env(**tf_ops), capture_output=True,
                               text=True, timeout=300)
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
-    assert f"steps {every} -> {steps}" in finished.stdout
+    assert f"resuming at step {every}, until {steps} steps" in finished.stdout
     log = uninterrupted.communicate(timeout=300)[0]
     assert uninterrupted.returncode == 0, log[-3000:]
     expected = json.loads((reference / "results.json").read_text())
