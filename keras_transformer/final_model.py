@@ -116,11 +116,12 @@ def finish_run(args: argparse.Namespace, config: dict[str, Any], corpora: dict[s
     # The saved model is float32 whatever the training precision (the weights were float32
     # anyway): decoding and serving should not inherit a training-only choice.
     model = build_transformer(**config["model"])
+    # Built once (tokenized once), iterated once per candidate.
+    val_batches = make_batches(corpora["val"], tokenizer, tokens_per_batch=args.tokens_per_batch,
+                               max_length=args.max_length, shuffle=False)
     choice = choose_final_weights(
         model, run / artifacts.CHECKPOINT_DIR, outcome["best_step"], args.average_last,
-        lambda candidate: validation_loss(candidate, make_batches(
-            corpora["val"], tokenizer, tokens_per_batch=args.tokens_per_batch,
-            max_length=args.max_length, shuffle=False), args.label_smoothing))
+        lambda candidate: validation_loss(candidate, val_batches, args.label_smoothing))
     model.save(run / artifacts.MODEL_FILE)
     results: dict[str, Any] = {
         "steps": outcome["step"], "stop_reason": outcome["reason"],
