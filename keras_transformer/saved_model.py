@@ -9,7 +9,7 @@ Signatures:
     serving_default: inputs string (N,) -> outputs string (N,)
         (beam size and length penalty fixed at export, paper 6.1 defaults 4 and 0.6).
     translate: inputs string (N,), beam_size int32 (), alpha float32 ()
-        -> outputs string (N,), scores float32 (N,).
+        -> outputs string (N,), scores float32 (N,); beam_size 1 decodes greedily.
     translate_nbest: same inputs -> outputs string (N, beam_size), scores (N, beam_size),
         best first.
 TF2 signatures have no optional inputs, and TF Serving's row format ({"instances": [...]})
@@ -48,8 +48,11 @@ from keras_transformer.decoding import (
     DEFAULT_BEAM_SIZE,
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
+    PAD_ID,
     beam_search,
     encode_texts,
+    greedy_search,
+    length_penalty,
 )
 
 __all__ = ["TranslationModule", "export_saved_model", "latest_version", "serving_model"]
@@ -132,11 +135,10 @@ class TranslationModule(tf.Module):
 
         def chunk(index, outputs, scores):
             rows = order[index * self.chunk_size: (index + 1) * self.chunk_size]
-            ids, chunk_scores = beam_search(
-                self.model, tf.gather(sources, rows).to_tensor(), beam_size=beam_size,
-                alpha=alpha, extra_length=self.max_extra_length,
-                max_length=self.max_output_tokens, num_return=None if nbest else 1,
-                jit_compile=self.jit_compile)
+            ids, chunk_scores = tf.cond(
+                tf.equal(beam_size, 1),
+                lambda: self._greedy(tf.gather(sources, rows).to_tensor(), alpha),
+                lambda: self._beam(tf.gather(sources, rows).to_tensor(), beam_size, alpha, nbest))
             ids = tf.reshape(ids, [-1, tf.shape(ids)[-1]])
             texts = self.tokenizer.detokenize(ids)
             # A model may emit byte pieces that do not form valid UTF-8; JSON needs it valid.
@@ -159,6 +161,25 @@ class TranslationModule(tf.Module):
         if nbest:
             return outputs, scores
         return outputs[:, 0], scores[:, 0]
+
+
+    def _beam(self, source_ids, beam_size, alpha, nbest: bool):
+        """ids (n, k, T) and length-penalized scores (n, k); k = beam_size if nbest else 1."""
+        ids, scores = beam_search(
+            self.model, source_ids, beam_size=beam_size, alpha=alpha,
+            extra_length=self.max_extra_length, max_length=self.max_output_tokens,
+            num_return=None if nbest else 1, jit_compile=self.jit_compile)
+        return (ids, scores) if nbest else (ids[:, None, :], scores[:, None])
+
+    def _greedy(self, source_ids, alpha):
+        """Beam size 1 is greedy decoding (as in `translate_texts`; a one-beam search also
+        weighs finished runner-up hypotheses, for a few % more time): ids (n, 1, T) and
+        scores (n, 1), penalized as beam search's."""
+        ids, scores = greedy_search(
+            self.model, source_ids, extra_length=self.max_extra_length,
+            max_length=self.max_output_tokens, jit_compile=self.jit_compile)
+        lengths = tf.reduce_sum(tf.cast(ids != PAD_ID, tf.int32), axis=1)
+        return ids[:, None, :], (scores / length_penalty(lengths, alpha))[:, None]
 
 
 def serving_model(model):

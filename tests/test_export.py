@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import artifacts
-from keras_transformer.decoding import beam_search, encode_texts
+from keras_transformer.decoding import beam_search, encode_texts, greedy_search
 from keras_transformer.model import build_transformer
 from keras_transformer.saved_model import (
     METADATA_FILE,
@@ -30,6 +30,7 @@ from keras_transformer.saved_model import (
     latest_version,
     serving_model,
 )
+from keras_transformer.translation import translate_texts
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
 _GERMAN = ("ein eine der die das hund katze mann frau kind spielt läuft auf im park mit einem "
@@ -160,6 +161,23 @@ def test_translate_and_nbest_signatures(exported):
     zero = loaded.signatures["translate"](inputs=inputs, beam_size=tf.constant(0),
                                           alpha=tf.constant(-3.0))
     assert zero["outputs"].shape == (2,)
+
+
+def test_beam_size_one_is_greedy_decoding(exported):
+    tokenizer, model, _, loaded = exported
+    sentences = ["Ein Hund läuft im Park.", "Zwei Kinder.", "Eine Frau sitzt auf einem Ball."]
+    for name in ("translate", "translate_nbest"):
+        outputs = loaded.signatures[name](inputs=tf.constant(sentences),
+                                          beam_size=tf.constant(1), alpha=tf.constant(0.6))
+        assert _texts(outputs["outputs"]) == translate_texts(
+            model, tokenizer, sentences, beam_size=1, max_input_tokens=MAX_INPUT_TOKENS,
+            extra_length=MAX_EXTRA)
+    sources = encode_texts(tokenizer, sentences, MAX_INPUT_TOKENS).to_tensor()
+    ids, log_probs = greedy_search(model, sources, extra_length=MAX_EXTRA)
+    # Scored as beam search scores: summed log-probability over the GNMT length penalty.
+    lengths = (ids.numpy() != 0).sum(axis=1)
+    np.testing.assert_allclose(outputs["scores"].numpy()[:, 0],
+                               log_probs.numpy() / ((5 + lengths) / 6) ** 0.6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
