@@ -10,13 +10,16 @@ greedy and beam 4 (α 0.6):
 - the SavedModel in a child process that imports only tensorflow and tensorflow_text, called
   through its signatures (`translate`, i.e. `serving_default` with the beam as an input);
 - CTranslate2 through `keras_transformer.ctranslate2_export.translate` (SentencePiece
-  tokenization included; `max_batch_size` 32, sorted by length inside CTranslate2).
+  tokenization included; `max_batch_size` 32, sorted by length inside CTranslate2), each
+  compute type in a child process of its own.
 
 Reported per engine and beam: target tokens/s (SentencePiece pieces of the outputs + EOS, the
 same count for every engine), sentences/s (medians of `--runs` passes after a warm-up pass),
 sacreBLEU against the references; for beam 4 also the batch-1 latency (p50, p90 over the first
-100 sentences, one request each). A concurrency case sends 8 client threads x 50 requests of
-1-8 sentences (seeded) to one loaded SavedModel: errors, throughput and peak memory.
+100 sentences, one request each). All engines stay loaded and take turns pass by pass, so
+that a machine whose speed drifts during the run (other tenants) slows them alike. A
+concurrency case sends 8 client threads x 50 requests of 1-8 sentences (seeded) to one loaded
+SavedModel: errors, throughput and peak memory.
 
     python benchmarks/serving.py --model runs/multi30k-de-en --data ../shared/data/multi30k \\
         --split test_2016_flickr --src de --tgt en --runs 3 --json
@@ -39,39 +42,44 @@ THREADS = 2
 BATCH = 32
 LATENCY_SENTENCES = 100
 CLIENTS, REQUESTS, MAX_REQUEST = 8, 50, 8
+IDLE_SECONDS = 1.0
 
-SAVED_MODEL_CHILD = """
-import json, random, resource, sys, threading, time
+# Each engine lives in its own child process (our SavedModel's imports only tensorflow and
+# tensorflow_text), which waits for one JSON command per line on stdin and answers one JSON
+# line, so that the parent can interleave the engines pass by pass. Separate processes also
+# keep the engines' runtimes apart: once a CTranslate2 int8 translator has been created, a
+# float32 one in the same process ran 5x slower (batch-1 latency 13.7 -> 73.6 ms).
+SAVED_MODEL_LOAD = """
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  (the SentencePiece ops)
 tf.config.threading.set_intra_op_parallelism_threads({threads})
 tf.config.threading.set_inter_op_parallelism_threads(1)
-texts = json.load(open(sys.argv[2]))
 translate = tf.saved_model.load(sys.argv[1]).signatures["translate"]
 
 def run(batch, beam):
     out = translate(inputs=tf.constant(batch), beam_size=tf.constant(beam),
                     alpha=tf.constant(0.6))
     return [t.decode("utf-8") for t in out["outputs"].numpy()]
+"""
 
-results = {{}}
-for beam in (1, 4):
-    run(texts, beam)  # warm-up (tracing of the loaded functions; XLA compilations)
-    seconds = []
-    for _ in range({runs}):
-        started = time.perf_counter()
-        outputs = run(texts, beam)
-        seconds.append(time.perf_counter() - started)
-    results[beam] = {{"seconds": seconds, "outputs": outputs}}
-for text in texts[:5]:
-    run([text], 4)
-latencies = []
-for text in texts[:{latency}]:
-    started = time.perf_counter()
-    run([text], 4)
-    latencies.append(time.perf_counter() - started)
-results["latency"] = latencies
-if {concurrency}:
+CTRANSLATE2_LOAD = """
+import ctranslate2
+import sentencepiece as spm
+from keras_transformer.ctranslate2_export import translate
+translator = ctranslate2.Translator(sys.argv[1], device="cpu", compute_type=sys.argv[2],
+                                    intra_threads={threads}, inter_threads=1)
+processor = spm.SentencePieceProcessor(model_file=sys.argv[1] + "/sentencepiece.model")
+
+def run(batch, beam):
+    return translate(translator, processor, batch, beam_size=beam, alpha=0.6,
+                     max_batch_size={batch})
+"""
+
+ENGINE_CHILD = """
+import json, random, resource, sys, threading, time
+{load}
+
+def concurrency(texts):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     errors, sentences = [], [0]
     lock = threading.Lock()
@@ -94,58 +102,81 @@ if {concurrency}:
         thread.start()
     for thread in threads:
         thread.join()
-    results["concurrency"] = {{
-        "seconds": time.perf_counter() - started, "sentences": sentences[0],
-        "errors": errors[:5], "error_count": len(errors),
-        "peak_rss_mb_before": rss_before / 1024,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}
-print(json.dumps(results))
+    return {{"seconds": time.perf_counter() - started, "sentences": sentences[0],
+            "errors": errors[:5], "error_count": len(errors),
+            "peak_rss_mb_before": rss_before / 1024,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}
+
+print(json.dumps("ready"), flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    if command["op"] == "concurrency":
+        answer = concurrency(command["texts"])
+    else:
+        started = time.perf_counter()
+        outputs = run(command["texts"], command["beam"])
+        answer = {{"seconds": time.perf_counter() - started, "outputs": outputs}}
+    print(json.dumps(answer), flush=True)
 """
 
 
-def saved_model_runs(directory: Path, texts: list[str], runs: int, concurrency: bool) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(texts, handle)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    script = SAVED_MODEL_CHILD.format(
-        threads=THREADS, runs=runs, latency=LATENCY_SENTENCES, concurrency=concurrency,
-        requests=REQUESTS, max_request=MAX_REQUEST, clients=CLIENTS)
-    child = subprocess.run([sys.executable, "-c", script, str(directory), handle.name],
-                           env=env, capture_output=True, text=True, check=True)
-    os.unlink(handle.name)
-    results = json.loads(child.stdout.strip().splitlines()[-1])
-    return {(int(key) if key.isdigit() else key): value for key, value in results.items()}
+class Engine:
+    """One engine in a child process: `SAVED_MODEL_LOAD` or `CTRANSLATE2_LOAD` with `args`."""
+
+    def __init__(self, load: str, *args: str):
+        load = load.format(threads=THREADS, batch=BATCH)
+        script = ENGINE_CHILD.format(load=load, requests=REQUESTS, max_request=MAX_REQUEST,
+                                     clients=CLIENTS)
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        self._answer()  # "ready": loaded
+
+    def _answer(self):
+        line = self.child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"an engine's child process exited ({self.child.wait()})")
+        return json.loads(line)
+
+    def _ask(self, **command):
+        self.child.stdin.write(json.dumps(command) + "\n")
+        self.child.stdin.flush()
+        return self._answer()
+
+    def translate(self, texts: list[str], beam: int) -> tuple[float, list[str]]:
+        """(seconds, translations) of one call with all of `texts`."""
+        answer = self._ask(op="pass", texts=texts, beam=beam)
+        return answer["seconds"], answer["outputs"]
+
+    def concurrency(self, texts: list[str]) -> dict:
+        return self._ask(op="concurrency", texts=texts)
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait()
 
 
-def ctranslate2_runs(directory: Path, texts: list[str], compute_type: str, runs: int) -> dict:
-    import ctranslate2
-    import sentencepiece as spm
-
-    from keras_transformer.ctranslate2_export import translate
-
-    translator = ctranslate2.Translator(str(directory), device="cpu", compute_type=compute_type,
-                                       intra_threads=THREADS, inter_threads=1)
-    processor = spm.SentencePieceProcessor(model_file=str(directory / "sentencepiece.model"))
-
-    def run(batch, beam):
-        return translate(translator, processor, batch, beam_size=beam, alpha=0.6,
-                         max_batch_size=BATCH)
-
-    results: dict = {}
+def measure(engines: dict, texts: list[str], runs: int) -> dict:
+    """Passes and batch-1 latencies of every engine. The passes are interleaved (each pass of
+    one engine is followed by the same pass of the others), so a machine whose speed drifts
+    (other tenants) shifts every engine alike rather than the one measured during the slow
+    minutes. Before each engine's turn the machine idles a moment: CTranslate2's OpenMP
+    threads and TensorFlow's thread pools spin a while after their work, which would
+    otherwise take the next engine's cores."""
+    results = {name: {1: {"seconds": []}, 4: {"seconds": []}, "latency": []} for name in engines}
     for beam in (1, 4):
-        run(texts, beam)
-        seconds = []
+        for name, engine in engines.items():  # warm-up: tracing, XLA compilations
+            results[name][beam]["outputs"] = engine.translate(texts, beam)[1]
         for _ in range(runs):
-            started = time.perf_counter()
-            outputs = run(texts, beam)
-            seconds.append(time.perf_counter() - started)
-        results[beam] = {"seconds": seconds, "outputs": outputs}
-    latencies = []
-    for text in texts[:LATENCY_SENTENCES]:
-        started = time.perf_counter()
-        run([text], 4)
-        latencies.append(time.perf_counter() - started)
-    results["latency"] = latencies
+            for name, engine in engines.items():
+                time.sleep(IDLE_SECONDS)
+                results[name][beam]["seconds"].append(engine.translate(texts, beam)[0])
+    for name, engine in engines.items():
+        time.sleep(IDLE_SECONDS)
+        for text in texts[:5]:
+            engine.translate([text], 4)
+        for text in texts[:LATENCY_SENTENCES]:
+            results[name]["latency"].append(engine.translate([text], 4)[0])
     return results
 
 
@@ -188,22 +219,27 @@ def main() -> None:
     processor = spm.SentencePieceProcessor(model_proto=tokenizer.model_proto)
     engines = {}
     with tempfile.TemporaryDirectory() as temporary:
-        saved = export_saved_model(model, tokenizer, Path(temporary) / "saved", chunk_size=BATCH)
-        engines["savedmodel"] = saved_model_runs(saved, texts, args.runs, concurrency=True)
-        if args.xla:
-            xla = export_saved_model(model, tokenizer, Path(temporary) / "xla",
-                                     chunk_size=BATCH, jit_compile=True)
-            engines["savedmodel_xla"] = saved_model_runs(xla, texts, args.runs,
-                                                         concurrency=False)
-        ct2 = export_ctranslate2(model, tokenizer, Path(temporary) / "ct2")
-        for compute_type in ("float32", "int8"):
-            engines[f"ct2_{compute_type}"] = ctranslate2_runs(ct2, texts, compute_type,
-                                                             args.runs)
+        folder = Path(temporary)
+        try:
+            saved = export_saved_model(model, tokenizer, folder / "saved", chunk_size=BATCH)
+            engines["savedmodel"] = Engine(SAVED_MODEL_LOAD, str(saved))
+            if args.xla:
+                xla = export_saved_model(model, tokenizer, folder / "xla", chunk_size=BATCH,
+                                         jit_compile=True)
+                engines["savedmodel_xla"] = Engine(SAVED_MODEL_LOAD, str(xla))
+            ct2 = export_ctranslate2(model, tokenizer, folder / "ct2")
+            for compute_type in ("float32", "int8"):
+                engines[f"ct2_{compute_type}"] = Engine(CTRANSLATE2_LOAD, str(ct2), compute_type)
+            results = measure(engines, texts, args.runs)
+            concurrency = engines["savedmodel"].concurrency(texts)
+        finally:
+            for engine in engines.values():
+                engine.close()
     cases = []
-    for engine, results in engines.items():
+    for engine, result in results.items():
         for beam in (1, 4):
-            outputs = results[beam]["outputs"]
-            median = statistics.median(results[beam]["seconds"])
+            outputs = result[beam]["outputs"]
+            median = statistics.median(result[beam]["seconds"])
             tokens = sum(len(processor.encode(text)) + 1 for text in outputs)
             case = {
                 "engine": engine, "beam": beam,
@@ -211,14 +247,13 @@ def main() -> None:
                 "sentences_per_s": round(len(texts) / median, 1),
                 "bleu": round(score_translations(outputs, references)["bleu"], 2),
                 "same_as_savedmodel": sum(a == b for a, b in zip(
-                    outputs, engines["savedmodel"][beam]["outputs"], strict=True)),
-                "seconds": [round(s, 2) for s in results[beam]["seconds"]],
+                    outputs, results["savedmodel"][beam]["outputs"], strict=True)),
+                "seconds": [round(s, 2) for s in result[beam]["seconds"]],
             }
             if beam == 4:
-                case["latency_p50_ms"] = round(1000 * statistics.median(results["latency"]), 1)
-                case["latency_p90_ms"] = round(1000 * _percentile(results["latency"], 0.9), 1)
+                case["latency_p50_ms"] = round(1000 * statistics.median(result["latency"]), 1)
+                case["latency_p90_ms"] = round(1000 * _percentile(result["latency"], 0.9), 1)
             cases.append(case)
-    concurrency = engines["savedmodel"]["concurrency"]
     concurrency["sentences_per_s"] = round(concurrency["sentences"] / concurrency["seconds"], 1)
     for case in cases:
         print(f"{case['engine']:<15} beam {case['beam']}: {case['target_tokens_per_s']:>8,.0f} "

@@ -120,9 +120,10 @@ def greedy_search(
         min_length: EOS is forbidden until this many tokens (EOS included) are generated.
         force_length: if set, EOS is forbidden and every output has exactly this many tokens
             (for fixed-shape benchmarks); overrides the other length settings.
-        jit_compile: XLA-compile the decoder step (cached decoding only). Faster per step
-            on CPU, but each new (batch, source width, length) bucket costs a few seconds
-            of compilation, so it pays off for long runs of similar batches.
+        jit_compile: run the steps as XLA-compiled segments (cached decoding only): on
+            CPU faster for small batches and greedy search, slower for beam search over
+            large batches; each new (rows, source width, length) bucket costs seconds of
+            compilation, so it pays off for long runs of similar batches.
 
     Returns:
         (ids int32 (batch, T): tokens ending with EOS unless cut by the limit, then 0-padded;

@@ -39,8 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS)
     parser.add_argument("--max-extra-length", type=int, default=DEFAULT_EXTRA_LENGTH)
     parser.add_argument("--jit-compile", action="store_true",
-                        help="saved_model only: XLA-compile each decoding step (TF Serving on "
-                        "CPU then needs --xla_cpu_compilation_enabled)")
+                        help="saved_model only: run the decoding loop as XLA-compiled segments "
+                        "(faster for single sentences, slower for beam search over large "
+                        "batches; TF Serving on CPU then needs --xla_cpu_compilation_enabled=true)")
     args = parser.parse_args(argv)
     if args.format == "ctranslate2" and importlib.util.find_spec("ctranslate2") is None:
         print("export: error: --format ctranslate2 needs the ctranslate2 package: "

@@ -78,9 +78,10 @@ class TranslationModule(tf.Module):
         max_input_tokens: source tokens kept per text (EOS included).
         max_extra_length: output tokens allowed beyond the source length (paper: 50).
         chunk_size: sentences decoded together; larger batches are split.
-        jit_compile: XLA-compile each decoding step inside the SavedModel (the search loop
-            stays a TF graph). TF Serving runs it only with `--xla_cpu_compilation_enabled`
-            on CPUs; the first request of each new shape compiles (seconds).
+        jit_compile: run the decoding loop as XLA-compiled segments inside the SavedModel
+            (see `search_loops`). TF Serving runs it only with
+            `--xla_cpu_compilation_enabled=true` on CPUs; the first request of each new shape
+            compiles (seconds).
     """
 
     def __init__(self, model, tokenizer, *, beam_size: int = DEFAULT_BEAM_SIZE,

@@ -5,6 +5,9 @@ into a SavedModel. They only use a model's `encode`, `initial_cache` and `decode
 `Transformer.decode`'s `grow_cache` argument), so any object exposing that API (such as a
 hand-made test model) can be searched.
 
+Finished sentences leave the batch (`search_steps`). With `jit_compile` the steps run inside
+XLA, a segment of steps per launch, and the batch shrinks between segments.
+
 Conventions: token buffers hold BOS in column 0 and the generated token of step `i` in column
 `i + 1`; the batch*beam axis is batch-major (row `b * beam_size + k`).
 """

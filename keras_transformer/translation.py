@@ -58,7 +58,7 @@ def translate_texts(
         extra_length: output tokens allowed beyond the source length.
         max_input_tokens: longer sources are truncated (EOS included).
         progress: called with the number of sentences finished after each batch.
-        jit_compile: XLA-compile the decoder step (see `decoding.greedy_search`).
+        jit_compile: XLA-compiled decoding (see `decoding.greedy_search`).
 
     Returns:
         N translated strings.
