@@ -286,18 +286,17 @@ def test_mixed_bfloat16_model_is_served_in_float32(exported):
 def test_xla_compiled_export_gives_the_same_translations(exported, tmp_path):
     tokenizer, model, _, loaded = exported
     path = export_saved_model(model, tokenizer, tmp_path / "xla", max_input_tokens=MAX_INPUT_TOKENS,
-                              max_extra_length=MAX_EXTRA, chunk_size=8, jit_compile=True)
+                              max_extra_length=MAX_EXTRA, chunk_size=4, jit_compile=True)
     assert json.loads((path / METADATA_FILE).read_text())["jit_compile"] is True
     compiled = tf.saved_model.load(str(path))
     # Sentences of different lengths, more than a chunk: the batch shrinks as they finish.
-    inputs = tf.constant(make_sentences(11, _GERMAN, seed=5, lengths=(1, 12)))
-    for beam_size in (1, 4):
-        arguments = {"inputs": inputs, "beam_size": tf.constant(beam_size),
-                     "alpha": tf.constant(0.6)}
-        expected = loaded.signatures["translate"](**arguments)
-        outputs = compiled.signatures["translate"](**arguments)
-        assert _texts(outputs["outputs"]) == _texts(expected["outputs"])
-        np.testing.assert_allclose(outputs["scores"], expected["scores"], atol=1e-4)
+    inputs = tf.constant(make_sentences(6, _GERMAN, seed=5, lengths=(1, 12)))
+    # Beam 4 (greedy under XLA: tests/test_decoding.py).
+    arguments = {"inputs": inputs, "beam_size": tf.constant(4), "alpha": tf.constant(0.6)}
+    expected = loaded.signatures["translate"](**arguments)
+    outputs = compiled.signatures["translate"](**arguments)
+    assert _texts(outputs["outputs"]) == _texts(expected["outputs"])
+    np.testing.assert_allclose(outputs["scores"], expected["scores"], atol=1e-4)
 
 
 class _Interrupted(Exception):
