@@ -53,7 +53,7 @@ def one_run(args: argparse.Namespace, folder: Path) -> str:
         def read(stream, index=index):
             for line in stream:
                 lines[index].append(line.rstrip())
-                if index == args.victim and line.startswith("Epoch 1/"):
+                if index == args.victim and "first training step" in line:
                     training.set()
 
         threading.Thread(target=read, args=(processes[-1].stdout,), daemon=True).start()

@@ -9,7 +9,7 @@ greedy and beam 4 (α 0.6):
 
 - the SavedModel in a child process that imports only tensorflow and tensorflow_text, called
   through its signatures (`translate`, i.e. `serving_default` with the beam as an input);
-- CTranslate2 through `keras_transformer.ctranslate2_export.translate` (SentencePiece
+- CTranslate2 through `keras_transformer.ctranslate2_export.translate_with_ctranslate2` (SentencePiece
   tokenization included; `max_batch_size` 32, sorted by length inside CTranslate2), each
   compute type in a child process of its own.
 
@@ -65,13 +65,13 @@ def run(batch, beam):
 CTRANSLATE2_LOAD = """
 import ctranslate2
 import sentencepiece as spm
-from keras_transformer.ctranslate2_export import translate
+from keras_transformer.ctranslate2_export import translate_with_ctranslate2
 translator = ctranslate2.Translator(sys.argv[1], device="cpu", compute_type=sys.argv[2],
                                     intra_threads={threads}, inter_threads=1)
 processor = spm.SentencePieceProcessor(model_file=sys.argv[1] + "/sentencepiece.model")
 
 def run(batch, beam):
-    return translate(translator, processor, batch, beam_size=beam, alpha=0.6,
+    return translate_with_ctranslate2(translator, processor, batch, beam_size=beam, alpha=0.6,
                      max_batch_size={batch})
 """
 

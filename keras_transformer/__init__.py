@@ -79,6 +79,7 @@ _EXPORTS = {
     "load_run": "keras_transformer.artifacts",
     "export_saved_model": "keras_transformer.saved_model",
     "export_ctranslate2": "keras_transformer.ctranslate2_export",
+    "translate_with_ctranslate2": "keras_transformer.ctranslate2_export",
 }
 
 __all__ = sorted(_EXPORTS)

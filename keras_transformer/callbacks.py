@@ -254,6 +254,30 @@ def save_training_state(model: keras.Model, path: str | Path) -> None:
     temporary.replace(path)
 
 
+def write_backup(model: keras.Model, backup_dir: Path, state: dict[str, Any]) -> None:
+    """Writes the resumable backup: `latest.weights.h5` (weights and optimizer) and its
+    `state.json`, so that a kill at any moment leaves a pair `read_backup_state` can match.
+
+    Each file is replaced atomically, but not both at once: the new state goes first to
+    `state.next.json`, then the weights, then the state into place. A kill after the
+    weights leaves `state.next.json` matching them; a kill before leaves the old pair.
+    """
+    upcoming = backup_dir / "state.next.json"
+    artifacts.write_json_atomic(upcoming, state)
+    save_training_state(model, backup_dir / "latest.weights.h5")
+    upcoming.replace(backup_dir / "state.json")
+
+
+def read_backup_state(backup_dir: Path, weights_step: int) -> dict[str, Any] | None:
+    """The state written with the backup weights of `weights_step` (see `write_backup`), or
+    None if neither `state.json` nor a leftover `state.next.json` is theirs."""
+    for name in ("state.json", "state.next.json"):
+        path = backup_dir / name
+        if path.is_file() and (state := artifacts.read_json(path)).get("step") == weights_step:
+            return state
+    return None
+
+
 class RunCheckpointer(keras.callbacks.Callback):
     """At each interval's end: periodic checkpoint, best-by-validation-loss checkpoint, early
     stopping, and the resumable backup (optimizer included) with `state` for a restart.
@@ -321,8 +345,7 @@ class RunCheckpointer(keras.callbacks.Callback):
                     self.stopped_early = True
                     self.model.stop_training = True
         # The backup last, so that a restart never sees a backup ahead of the checkpoints.
-        save_training_state(self.model, self.backup_dir / "latest.weights.h5")
-        artifacts.write_json_atomic(self.backup_dir / "state.json", self.state(epoch + 1, step))
+        write_backup(self.model, self.backup_dir, self.state(epoch + 1, step))
 
     def _remove_old_checkpoints(self) -> None:
         # The newest `keep`, and those around the best step so far: an early-stopped run

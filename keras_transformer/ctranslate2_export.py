@@ -138,7 +138,7 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
     return directory
 
 
-def translate(translator, processor, texts: list[str], beam_size: int = 4, alpha: float = 0.6,
+def translate_with_ctranslate2(translator, processor, texts: list[str], beam_size: int = 4, alpha: float = 0.6,
               extra_length: int = 50, max_batch_size: int = 32) -> list[str]:
     """Translates `texts` with a CTranslate2 `Translator` as our beam search would.
 

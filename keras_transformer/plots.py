@@ -1,6 +1,6 @@
 """Encoder-decoder attention heat maps, as in the paper's appendix figures.
 
-Needs matplotlib (the optional extra `pip install 'keras-transformer[plots]'`), imported only
+Needs matplotlib (the optional extra: `pip install -e ".[plots]"` from the clone), imported only
 when plotting. Figures are drawn on matplotlib's Agg canvas directly (no pyplot), so plotting
 works without a display and never changes the caller's pyplot backend.
 """
@@ -61,7 +61,7 @@ def _figure_class():
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError(
-            "plotting attention needs matplotlib: pip install 'keras-transformer[plots]' "
+            "plotting attention needs matplotlib: pip install -e '.[plots]' (from the clone) "
             "(or pip install matplotlib)") from None
     return Figure, FigureCanvasAgg
 

@@ -107,16 +107,18 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         if not model.optimizer.built:  # (accumulation builds it; building twice duplicates)
             model.optimizer.build(model.trainable_variables)
     # Resume: every worker restores the chief's backup (a shared filesystem is assumed).
-    backup = out / artifacts.BACKUP_DIR / "latest.weights.h5"
+    backup_dir = out / artifacts.BACKUP_DIR
+    backup = backup_dir / "latest.weights.h5"
     state: dict[str, Any] = {}
     if backup.is_file():
         model.load_weights(backup)
-        if (out / artifacts.BACKUP_DIR / "state.json").is_file():
-            state = artifacts.read_json(out / artifacts.BACKUP_DIR / "state.json")
     step = cb.global_step(model)
-    if state and state.get("step") != step:  # e.g. an optimizer whose variables changed
-        raise UsageError(f"{backup} holds step {step}, {out / artifacts.BACKUP_DIR} says "
-                         f"{state.get('step')}: the backup does not match this run's settings")
+    if backup.is_file() and (backup_dir / "state.json").is_file():
+        state = cb.read_backup_state(backup_dir, step) or {}
+        if not state:  # e.g. an optimizer whose variables changed
+            recorded = artifacts.read_json(backup_dir / "state.json").get("step")
+            raise UsageError(f"{backup} holds step {step}, {backup_dir / 'state.json'} says "
+                             f"{recorded}: the backup does not match this run's settings")
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
                     max_length=args.max_length, seed=args.seed, **shapes)

@@ -336,7 +336,9 @@ def test_a_killed_worker_stops_the_other_in_bounded_time_and_a_restart_resumes(
     out = tmp_path / "run"
     flags = ["--max-steps", "24", "--checkpoint-every", "4", "--tokens-per-step", "2048",
              # 2 workers x 2 accumulated micro-batches of 512 tokens, float16 loss scaling
-             "--precision", "mixed_float16", "--no-export"]
+             # from a scale that overflows the first updates (2^24: any gradient > 0.004)
+             "--precision", "mixed_float16", "--initial-loss-scale", str(2.0**24),
+             "--no-export"]
     ports = free_ports(2)
     processes = two_workers(launch, data, out, [flags, flags], ports, tmp_path)
     state = out / "backup" / "state.json"
@@ -364,7 +366,11 @@ def test_a_killed_worker_stops_the_other_in_bounded_time_and_a_restart_resumes(
     assert f"resuming at step {backed_up}, until 24 steps" in logs[0]
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 24 and results["replicas"] == 2 and results["workers"] == 2
-    assert results["precision"] == "mixed_float16" and results["skipped_updates"] >= 0
+    # Skips agreed by both workers and kept across the restart: each one halved the scale
+    # (it grows back only after 2,000 finite updates).
+    skipped = results["skipped_updates"]
+    assert results["precision"] == "mixed_float16" and 1 <= skipped < 24, skipped
+    assert results["loss_scale"] == 2.0**24 / 2**skipped, (results["loss_scale"], skipped)
     budget = json.loads((out / "config.json").read_text())["step_budget"]
     assert budget == {"micro_batch": 512, "replicas": 2, "accumulate": 2, "tokens_per_step": 2048}
     # The last 5 (and those up to the best validation step, kept for averaging).

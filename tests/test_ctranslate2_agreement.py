@@ -17,7 +17,7 @@ import pytest
 import sacrebleu
 import sentencepiece as spm
 
-from keras_transformer.ctranslate2_export import export_ctranslate2, translate
+from keras_transformer.ctranslate2_export import export_ctranslate2, translate_with_ctranslate2
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import build_transformer
 from keras_transformer.optimizer import paper_adam
@@ -57,7 +57,7 @@ def test_greedy_outputs_are_the_same_strings(trained):
     model, tokenizer, translator, pieces, test = trained
     sources = test.sources[:SENTENCES]
     ours = translate_texts(model, tokenizer, sources, beam_size=1)
-    theirs = translate(translator, pieces, sources, beam_size=1)
+    theirs = translate_with_ctranslate2(translator, pieces, sources, beam_size=1)
     assert len(set(ours)) > SENTENCES // 4  # real, varied translations
     different = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
     print(f"{len(set(ours))} distinct translations, {len(different)} different")
@@ -68,7 +68,7 @@ def test_beam_search_bleu_is_the_same(trained):
     model, tokenizer, translator, pieces, test = trained
     sources, references = test.sources[:SENTENCES], [test.targets[:SENTENCES]]
     ours = translate_texts(model, tokenizer, sources, beam_size=4, alpha=0.6)
-    theirs = translate(translator, pieces, sources, beam_size=4, alpha=0.6)
+    theirs = translate_with_ctranslate2(translator, pieces, sources, beam_size=4, alpha=0.6)
     ours_bleu = sacrebleu.corpus_bleu(ours, references).score
     theirs_bleu = sacrebleu.corpus_bleu(theirs, references).score
     print(f"BLEU ours {ours_bleu:.2f}, CTranslate2 {theirs_bleu:.2f}")

@@ -12,7 +12,11 @@ import pytest
 import sentencepiece as spm
 
 from keras_transformer import artifacts
-from keras_transformer.ctranslate2_export import export_ctranslate2, transformer_spec, translate
+from keras_transformer.ctranslate2_export import (
+    export_ctranslate2,
+    transformer_spec,
+    translate_with_ctranslate2,
+)
 from keras_transformer.export import main as export_main
 from keras_transformer.model import build_transformer
 from pipelines.tokenizer import BOS_ID, EOS_ID, train_tokenizer
@@ -99,8 +103,8 @@ def test_translate_ranks_beam_hypotheses_by_our_length_penalty(run):
     scores = [-2.0, -2.0 / penalty[0] * penalty[1] * 0.9]
     assert scores[1] < scores[0]
     translator = FixedTranslator([short, long], scores)
-    assert translate(translator, pieces, ["x"], beam_size=4, alpha=1.0) == [pieces.decode(long)]
+    assert translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=1.0) == [pieces.decode(long)]
     assert translator.asked["num_hypotheses"] == 4 and translator.asked["patience"] == 2
     assert translator.asked["max_decoding_length"] == len(pieces.encode("x")) + 1 + 50
     # Without a length penalty (alpha 0) the higher summed score wins.
-    assert translate(translator, pieces, ["x"], beam_size=4, alpha=0.0) == [pieces.decode(short)]
+    assert translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=0.0) == [pieces.decode(short)]

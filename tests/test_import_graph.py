@@ -106,3 +106,18 @@ def test_data_flows_one_way_pipelines_never_import_the_model():
     assert not {module: imports for module, imports in graph.items()
                 if module.startswith("pipelines") and any(
                     target.startswith("keras_transformer") for target in imports)}
+
+
+def test_every_public_name_resolves_and_the_readme_uses_only_public_names():
+    import re
+
+    import keras_transformer
+
+    for name in keras_transformer.__all__:
+        assert getattr(keras_transformer, name) is not None, name
+    readme = (REPO / "README.md").read_text()
+    python = "\n".join(re.findall(r"```python\n(.*?)```", readme, re.S))
+    assert "import keras_transformer as kt" in python
+    assert "from keras_transformer" not in python, "README examples import a private module"
+    used = set(re.findall(r"\bkt\.(\w+)", python))
+    assert used and used <= set(keras_transformer.__all__), used - set(keras_transformer.__all__)

@@ -166,6 +166,52 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
 
 
+@pytest.mark.parametrize("killed_after", ["state.next.json", "latest.weights.h5"])
+def test_a_backup_killed_between_its_files_still_pairs_weights_and_state(
+        tmp_path, monkeypatch, killed_after):
+    from keras_transformer import callbacks
+    from keras_transformer.optimizer import paper_adam
+
+    model = build_transformer("tiny", vocab_size=20)
+    model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
+    model.optimizer.build(model.trainable_variables)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    model.optimizer.iterations.assign(10)
+    callbacks.write_backup(model, backup, {"step": 10, "best_step": 10})
+
+    # The next backup (step 20) is killed right after writing `killed_after`.
+    class Killed(Exception):
+        pass
+
+    def dies_after(write):
+        def wrapped(*args):
+            write(*args)
+            raise Killed
+
+        return wrapped
+
+    if killed_after == "state.next.json":
+        monkeypatch.setattr(callbacks.artifacts, "write_json_atomic",
+                            dies_after(artifacts.write_json_atomic))
+    else:
+        monkeypatch.setattr(callbacks, "save_training_state",
+                            dies_after(callbacks.save_training_state))
+    model.optimizer.iterations.assign(20)
+    with pytest.raises(Killed):
+        callbacks.write_backup(model, backup, {"step": 20, "best_step": 20})
+    monkeypatch.undo()
+
+    restored = build_transformer("tiny", vocab_size=20)
+    restored.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(backup / "latest.weights.h5")
+    step = int(restored.optimizer.iterations.numpy())
+    assert step == (10 if killed_after == "state.next.json" else 20)
+    assert callbacks.read_backup_state(backup, step) == {"step": step, "best_step": step}
+    assert callbacks.read_backup_state(backup, 30) is None
+
+
 def test_averaging_windows_follow_the_best_step():
     steps = list(range(100, 1100, 100))
     # Best at the end: only the last 5.
