@@ -177,66 +177,109 @@ def test_compile_refuses_what_accumulation_cannot_do():
 
 # Two logical CPUs under MirroredStrategy, each accumulating 2 micro-batches per update, vs
 # one device whose batch holds all 4 (of 4 different shapes).
-TWO_REPLICAS = textwrap.dedent(
-    """
-    import json
-    import numpy as np
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import keras
-    from keras_transformer.distribution import select_strategy
+def compare_with_one_device(strategy, share) -> dict:
+    """Trains 3 updates of 2 accumulated micro-batches per replica under `strategy`, and the
+    same 3 updates as one batch each on one device; `share(group)` is the micro-batches this
+    input pipeline yields for one update's group of 4 (run inside a subprocess)."""
     from keras_transformer.keras_patches import build_for_distributed_fit
     from keras_transformer.losses import GlobalTokenCrossEntropy
-    from keras_transformer.model import build_transformer
-    from keras_transformer.optimizer import paper_adam
-    from tests.test_accumulation import SPEC, _ids, _features, _pad, _kept, _max_difference
 
     rng = np.random.default_rng(0)
-    UPDATES, ACCUMULATE = 3, 2
+    updates, accumulate = 3, 2
     groups = [[(_ids(rng, b, n), _ids(rng, b, n + 1)) for b, n in ((2, 5), (4, 9), (3, 7), (5, 4))]
-              for _ in range(UPDATES)]
+              for _ in range(updates)]
 
     def train(strategy, accumulate):
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            model = build_transformer("tiny", vocab_size=40)
+            model = build_transformer("tiny", vocab_size=VOCAB)
             model.compile(paper_adam(32, 4, 1.0), loss=GlobalTokenCrossEntropy(0.1),
                           accumulate_steps=accumulate)
         if accumulate == 1:
             def batches():
-                for g in groups:
-                    yield _features(np.concatenate([_pad(s, 10) for s, _ in g]),
-                                    np.concatenate([_pad(t, 11) for _, t in g]))
-        else:  # consecutive elements go to consecutive replicas
+                yield from _one_batch_each(groups)
+        else:
             def batches():
-                for g in groups:
-                    for s, t in g:
-                        yield _features(s, t)
+                for group in groups:
+                    for source, target in share(group):
+                        yield _features(source, target)
         build_for_distributed_fit(model, next(batches()))
         data = strategy.distribute_datasets_from_function(
-            lambda ctx: tf.data.Dataset.from_generator(batches, output_signature=SPEC))
-        model.fit(data, epochs=1, steps_per_epoch=UPDATES * accumulate, verbose=0)
+            lambda context: tf.data.Dataset.from_generator(batches, output_signature=SPEC))
+        model.fit(data, epochs=1, steps_per_epoch=updates * accumulate, verbose=0)
         return model
 
     one = train(tf.distribute.get_strategy(), 1)
-    two = train(select_strategy(), ACCUMULATE)
-    print(json.dumps({"replicas": two.distribute_strategy.num_replicas_in_sync,
-                      "updates": [int(one.optimizer.iterations.numpy()),
-                                  int(two.optimizer.iterations.numpy())],
-                      "weight_diff": _max_difference(_kept(one), _kept(two))}))
+    two = train(strategy, accumulate)
+    return {"replicas": two.distribute_strategy.num_replicas_in_sync,
+            "updates": [int(one.optimizer.iterations.numpy()),
+                        int(two.optimizer.iterations.numpy())],
+            "weight_diff": _max_difference(_kept(one), _kept(two))}
+
+
+# Two logical CPUs under MirroredStrategy: one input pipeline, whose consecutive elements go
+# to consecutive replicas.
+TWO_REPLICAS = textwrap.dedent(
+    """
+    import json
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    from keras_transformer.distribution import select_strategy
+    from tests.test_accumulation import compare_with_one_device
+
+    print(json.dumps(compare_with_one_device(select_strategy(), lambda group: group)))
     """
 )
+
+# One process per worker (TF_CONFIG, MultiWorkerMirroredStrategy, one replica each): worker k
+# reads micro-batches k and k + 2 of each group, as replica k above. The strategy first.
+TWO_WORKERS = textwrap.dedent(
+    """
+    import json, os
+    from keras_transformer.distribution import select_strategy
+    strategy = select_strategy()
+    from tests.test_accumulation import compare_with_one_device
+
+    me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    print(json.dumps(compare_with_one_device(strategy, lambda group: group[me::2])))
+    """
+)
+
+
+def _check_against_one_device(output: str) -> None:
+    numbers = json.loads(output.strip().splitlines()[-1])
+    assert numbers["replicas"] == 2
+    assert numbers["updates"] == [3, 3]
+    assert numbers["weight_diff"] < 1e-4
 
 
 def test_two_replicas_accumulating_match_one_device_on_the_whole_batch():
     result = subprocess.run([sys.executable, "-c", TWO_REPLICAS], cwd=REPO, env=cli_env(),
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    numbers = json.loads(result.stdout.strip().splitlines()[-1])
-    assert numbers["replicas"] == 2
-    assert numbers["updates"] == [3, 3]
-    assert numbers["weight_diff"] < 1e-4
+    _check_against_one_device(result.stdout)
+
+
+@pytest.mark.slow
+def test_two_workers_accumulating_match_one_device_on_the_whole_batch():
+    from tests.test_cluster import free_ports
+
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", TWO_WORKERS], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env=cli_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers},
+                                          "task": {"type": "worker", "index": index}})))
+        for index in range(2)]
+    try:
+        outputs = [process.communicate(timeout=240) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (out, err) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, err[-3000:]
+        _check_against_one_device(out)
 
 
 def test_a_compiled_model_reloads_compiled_without_warnings(tmp_path):

@@ -201,17 +201,25 @@ def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_e
 
 
 @pytest.mark.slow
-def test_xla_on_the_tf_ops_path_trains_on_bounded_batch_shapes(tmp_path):
+def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batch_shapes(
+        tmp_path):
+    # What `auto` picks on a V100 or T4: mixed_float16 with loss scaling, XLA, TF ops. The
+    # scale starts high enough (2^24) that the first updates overflow and are skipped.
     data = write_toy_corpus(tmp_path / "corpus", pairs=120)
     out = tmp_path / "run"
-    result = _train(data, out, "--jit-compile", "on", "--precision", "float32", "--max-steps",
-                    "3", "--checkpoint-every", "3", "--test-split", "none", "--no-export",
+    result = _train(data, out, "--jit-compile", "on", "--precision", "mixed_float16",
+                    "--initial-loss-scale", str(2.0**24), "--max-steps", "4",
+                    "--checkpoint-every", "2", "--test-split", "none", "--no-export",
                     env=TF_OPS)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    assert results["steps"] == 3 and results["jit_compile"] is True
-    assert results["fused_kernels"] is False
+    assert results["steps"] == 4 and results["jit_compile"] is True
+    assert (results["precision"], results["fused_kernels"]) == ("mixed_float16", False)
+    skipped = results["skipped_updates"]
+    assert 1 <= skipped <= 4 and results["loss_scale"] == 2.0**24 / 2**skipped, results
+    assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*")) == [
+        "ckpt-00000002.weights.h5", "ckpt-00000004.weights.h5"]
     # max_length 32: buckets of 4, 8, ..., 32 positions, one shape each at most.
     assert 1 <= config["train_batch_shapes"] <= 8
     assert f"come in {config['train_batch_shapes']} shapes" in result.stdout
