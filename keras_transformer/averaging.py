@@ -15,6 +15,7 @@ from pathlib import Path
 
 from keras_transformer import artifacts
 from keras_transformer.checkpoints import average_last_checkpoints
+from keras_transformer.logs import add_verbose_flag
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run directory of keras_transformer.train")
     parser.add_argument("--last", type=int, default=5, help="checkpoints to average (default 5)")
     parser.add_argument("--output", help="model file to write (default <run>/model.keras)")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if args.last < 1:
         parser.error("--last must be >= 1")

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_transformer.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.logs import add_verbose_flag
 from keras_transformer.progress import ProgressBar
 from keras_transformer.scoring import score_translations
 from keras_transformer.translation import ModelError, load_translator
@@ -62,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--output", help="also write the translations to this file")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON")
+    add_verbose_flag(parser)
     return parser
 
 

@@ -18,6 +18,7 @@ from keras_transformer.decoding import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
 )
+from keras_transformer.logs import add_verbose_flag
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="saved_model only: run the decoding loop as XLA-compiled segments "
                         "(faster for single sentences, slower for beam search over large "
                         "batches; TF Serving on CPU then needs --xla_cpu_compilation_enabled=true)")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
     if args.format == "ctranslate2" and importlib.util.find_spec("ctranslate2") is None:
         print("export: error: --format ctranslate2 needs the ctranslate2 package: "

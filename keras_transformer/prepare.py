@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from keras_transformer.logs import add_verbose_flag
 from keras_transformer.recipes import add_recipe_flag, parse_with_recipe
 from keras_transformer.train_flags import (
     HelpFormatter,
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the sample, the vocabulary and the shard assignment")
     p.add_argument("--out", required=True, help="directory to create (must not exist)")
+    add_verbose_flag(p)
     return p
 
 

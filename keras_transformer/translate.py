@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_transformer.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.logs import add_verbose_flag
 from keras_transformer.progress import ProgressBar
 from keras_transformer.translation import ModelError, load_translator
 
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     parser.add_argument("--plot-attention", metavar="OUT_DIR",
                         help="write attention heat maps (PNG) per line to OUT_DIR/line_<n>/")
+    add_verbose_flag(parser)
     return parser
 
 

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
 from keras_transformer import artifacts
+from keras_transformer.logs import is_native_log_line
 from keras_transformer.translate import main
 from keras_transformer.translation import ModelError, load_translator, translate_texts
 from tests.test_export import shared_artifacts
+from tests.test_training_cli import cli_env
 
-ROOT = Path(__file__).resolve().parents[1]
 LINES = ["Ein Hund läuft im Park.", "", "Zwei Kinder spielen mit einem Ball."]
 
 
@@ -31,16 +30,21 @@ def paths(tmp_path_factory):
     return run, base
 
 
-def test_stdin_to_stdout_in_a_subprocess(paths, tmp_path):
+@pytest.mark.parametrize("verbose", [False, True])
+def test_stdin_to_stdout_in_a_subprocess_with_tensorflows_logs_only_if_verbose(
+        paths, tmp_path, verbose):
     run, _ = paths
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(
         [sys.executable, "-m", "keras_transformer.translate", "--model", str(run),
-         "--beam", "1", "--batch-size", "2"],
-        input="\n".join(LINES) + "\n", capture_output=True, text=True, env=env, cwd=tmp_path,
-        timeout=300,
+         "--beam", "1", "--batch-size", "2", *(["--verbose"] if verbose else [])],
+        input="\n".join(LINES) + "\n", capture_output=True, text=True, env=cli_env(),
+        cwd=tmp_path, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    native = [line for line in result.stderr.splitlines()
+              if is_native_log_line(line.encode())]
+    # TensorFlow logs at least "oneDNN custom operations are on" when it loads.
+    assert bool(native) == verbose, result.stderr[-3000:]
     model, tokenizer = artifacts.load_run(run)
     expected = translate_texts(model, tokenizer, LINES, beam_size=1)
     assert result.stdout.splitlines() == [" ".join(t.splitlines()) for t in expected]
