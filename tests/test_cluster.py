@@ -302,6 +302,10 @@ def test_two_workers_with_different_clocks_stop_together(tmp_path, launch):
     assert worker, logs[1][-2000:]
     assert int(worker[1]) == results["steps"] > 0
     assert worker[2].startswith("used the --max-minutes budget (0.1 min)")
+    # Only the chief prepared the data and trained the tokenizer; worker 1 read them.
+    assert "preparing" in logs[0] and re.search(r"trained a \d+-piece \w+ tokenizer", logs[0])
+    assert "preparing" not in logs[1] and "tokenizer on" not in logs[1], logs[1][-2000:]
+    assert "waiting for the chief to prepare" in logs[1], logs[1][-2000:]
     # The final step's checkpoint is written (on or off the --checkpoint-every cadence).
     assert (out / "checkpoints" / f"ckpt-{results['steps']:08d}.weights.h5").is_file()
 
