@@ -254,13 +254,13 @@ def train_tokenizer(
         writer.getvalue(), settings={**settings, **dict(extra_settings or {})}
     )
     tokenizer.save(directory)
+    # (No path: a preparation saves it into a staging folder that is then renamed.)
     _LOG.info(
-        "trained a %d-piece %s tokenizer on %d sentences in %.2fs, saved to %s",
+        "trained a %d-piece %s tokenizer on %d sentences in %.2fs",
         tokenizer.vocab_size,
         model_type,
         len(texts),
         time.perf_counter() - started,
-        directory,
     )
     return tokenizer
 
