@@ -43,5 +43,6 @@ def test_missing_matplotlib_is_a_clear_error(loaded_run, tmp_path, monkeypatch):
     # A None entry makes importing that module fail, even if it was imported before.
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ImportError, match=r"keras-transformer\[plots\]"):
+    # From the clone: the index's `keras-transformer` is another project.
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[plots\]' \(from the clone\)"):
         plot_attention(model, tokenizer, "Ein Hund.", tmp_path)
