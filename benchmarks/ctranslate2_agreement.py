@@ -2,8 +2,8 @@
 
 Exports the run to a temporary CTranslate2 directory (float32), translates the first `--limit`
 sentences of a split with our decoding (`translate_texts`) and with CTranslate2
-(`keras_transformer.ctranslate2_export.translate_with_ctranslate2`), greedy and beam `--beam`, and prints how
-many outputs are identical strings and both sacreBLEU scores.
+(`kt.translate_with_ctranslate2`), greedy and beam `--beam`, and prints how many outputs are
+identical strings and both sacreBLEU scores.
 
     python benchmarks/ctranslate2_agreement.py --model runs/multi30k-de-en \\
         --data ../shared/data/multi30k --split test_2016_flickr --src de --tgt en --limit 200
@@ -26,7 +26,10 @@ import sentencepiece as spm  # noqa: E402
 
 from benchmarks.serving import add_run_and_split_flags  # noqa: E402
 from keras_transformer import artifacts  # noqa: E402
-from keras_transformer.ctranslate2_export import export_ctranslate2, translate_with_ctranslate2  # noqa: E402
+from keras_transformer.ctranslate2_export import (  # noqa: E402
+    export_ctranslate2,
+    translate_with_ctranslate2,
+)
 from keras_transformer.translation import translate_texts  # noqa: E402
 from pipelines.corpora import load_corpus  # noqa: E402
 
@@ -47,7 +50,8 @@ def main() -> None:
         processor = spm.SentencePieceProcessor(model_file=str(directory / "sentencepiece.model"))
         for beam in (1, args.beam):
             ours = translate_texts(model, tokenizer, sources, beam_size=beam, alpha=args.alpha)
-            theirs = translate_with_ctranslate2(translator, processor, sources, beam_size=beam, alpha=args.alpha)
+            theirs = translate_with_ctranslate2(translator, processor, sources, beam_size=beam,
+                                                alpha=args.alpha)
             same = sum(a == b for a, b in zip(ours, theirs, strict=True))
             bleu = [sacrebleu.corpus_bleu(h, [references]).score for h in (ours, theirs)]
             print(f"beam {beam}: identical {same}/{len(sources)} ({same / len(sources):.1%}); "

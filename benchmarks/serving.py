@@ -9,9 +9,9 @@ greedy and beam 4 (α 0.6):
 
 - the SavedModel in a child process that imports only tensorflow and tensorflow_text, called
   through its signatures (`translate`, i.e. `serving_default` with the beam as an input);
-- CTranslate2 through `keras_transformer.ctranslate2_export.translate_with_ctranslate2` (SentencePiece
-  tokenization included; `max_batch_size` 32, sorted by length inside CTranslate2), each
-  compute type in a child process of its own.
+- CTranslate2 through `kt.translate_with_ctranslate2` (SentencePiece tokenization included;
+  `max_batch_size` 32, sorted by length inside CTranslate2), each compute type in a child
+  process of its own.
 
 Reported per engine and beam: target tokens/s (SentencePiece pieces of the outputs + EOS, the
 same count for every engine), sentences/s (medians of `--runs` passes after a warm-up pass),
@@ -72,7 +72,7 @@ processor = spm.SentencePieceProcessor(model_file=sys.argv[1] + "/sentencepiece.
 
 def run(batch, beam):
     return translate_with_ctranslate2(translator, processor, batch, beam_size=beam, alpha=0.6,
-                     max_batch_size={batch})
+                                      max_batch_size={batch})
 """
 
 ENGINE_CHILD = """

@@ -138,8 +138,9 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
     return directory
 
 
-def translate_with_ctranslate2(translator, processor, texts: list[str], beam_size: int = 4, alpha: float = 0.6,
-              extra_length: int = 50, max_batch_size: int = 32) -> list[str]:
+def translate_with_ctranslate2(translator, processor, texts: list[str], beam_size: int = 4,
+                               alpha: float = 0.6, extra_length: int = 50,
+                               max_batch_size: int = 32) -> list[str]:
     """Translates `texts` with a CTranslate2 `Translator` as our beam search would.
 
     CTranslate2 divides a hypothesis' log-probability by length^penalty; ours (Wu et al.,

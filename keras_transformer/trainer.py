@@ -112,13 +112,15 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     state: dict[str, Any] = {}
     if backup.is_file():
         model.load_weights(backup)
+        held = cb.global_step(model)
+        if (backup_dir / "state.json").is_file():
+            state = cb.read_backup_state(backup_dir, held) or {}
+            if not state:  # e.g. an optimizer whose variables changed
+                recorded = artifacts.read_json(backup_dir / "state.json").get("step")
+                raise UsageError(f"{backup} holds step {held}, {backup_dir / 'state.json'} "
+                                 f"says {recorded}: the backup does not match this run's "
+                                 "settings")
     step = cb.global_step(model)
-    if backup.is_file() and (backup_dir / "state.json").is_file():
-        state = cb.read_backup_state(backup_dir, step) or {}
-        if not state:  # e.g. an optimizer whose variables changed
-            recorded = artifacts.read_json(backup_dir / "state.json").get("step")
-            raise UsageError(f"{backup} holds step {step}, {backup_dir / 'state.json'} says "
-                             f"{recorded}: the backup does not match this run's settings")
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
                     max_length=args.max_length, seed=args.seed, **shapes)

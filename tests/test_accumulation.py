@@ -263,23 +263,10 @@ def test_two_replicas_accumulating_match_one_device_on_the_whole_batch():
 
 @pytest.mark.slow
 def test_two_workers_accumulating_match_one_device_on_the_whole_batch():
-    from tests.test_cluster import free_ports
+    from tests.test_cluster import run_on_two_workers
 
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    processes = [subprocess.Popen(
-        [sys.executable, "-c", TWO_WORKERS], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-        env=cli_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers},
-                                          "task": {"type": "worker", "index": index}})))
-        for index in range(2)]
-    try:
-        outputs = [process.communicate(timeout=240) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    for process, (out, err) in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, err[-3000:]
-        _check_against_one_device(out)
+    for output in run_on_two_workers(TWO_WORKERS):
+        _check_against_one_device(output)
 
 
 def test_a_compiled_model_reloads_compiled_without_warnings(tmp_path):

@@ -47,6 +47,25 @@ def tf_config(cluster: dict, task_type: str = "worker", index: int = 0) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
 
 
+def run_on_two_workers(script: str, timeout: float = 240) -> list[str]:
+    """Runs a Python `script` as worker 0 and worker 1 of a cluster on 127.0.0.1 (TF_CONFIG);
+    returns each one's stdout, after asserting that both exited 0."""
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env=cli_env(TF_CONFIG=tf_config({"worker": workers}, index=index)))
+        for index in range(2)]
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (_, err) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, err[-3000:]
+    return [out for out, _ in outputs]
+
+
 # --- TF_CONFIG, checked before TensorFlow starts ----------------------------------------
 
 

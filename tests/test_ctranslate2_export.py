@@ -103,8 +103,10 @@ def test_translate_ranks_beam_hypotheses_by_our_length_penalty(run):
     scores = [-2.0, -2.0 / penalty[0] * penalty[1] * 0.9]
     assert scores[1] < scores[0]
     translator = FixedTranslator([short, long], scores)
-    assert translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=1.0) == [pieces.decode(long)]
+    best = translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=1.0)
+    assert best == [pieces.decode(long)]
     assert translator.asked["num_hypotheses"] == 4 and translator.asked["patience"] == 2
     assert translator.asked["max_decoding_length"] == len(pieces.encode("x")) + 1 + 50
     # Without a length penalty (alpha 0) the higher summed score wins.
-    assert translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=0.0) == [pieces.decode(short)]
+    best = translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=0.0)
+    assert best == [pieces.decode(short)]

@@ -112,23 +112,10 @@ WORKER_SKIPS = textwrap.dedent(
 
 @pytest.mark.slow
 def test_workers_skip_an_overflow_on_either_of_them_together(tmp_path):
-    from tests.test_cluster import free_ports
+    from tests.test_cluster import run_on_two_workers
 
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    processes = [subprocess.Popen(
-        [sys.executable, "-c", WORKER_SKIPS], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-        env=cli_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers},
-                                          "task": {"type": "worker", "index": index}})))
-        for index in range(2)]
-    try:
-        outputs = [process.communicate(timeout=180) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    for process, (out, err) in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, err[-3000:]
-        found = json.loads(out.strip().splitlines()[-1])
+    for output in run_on_two_workers(WORKER_SKIPS, timeout=180):
+        found = json.loads(output.strip().splitlines()[-1])
         assert found == {"weights": pytest.approx([0.8] * 3), "steps": 3, "skipped": 2}
 
 

@@ -138,13 +138,20 @@ def test_stop_at_max_steps_and_time_budget():
     assert _Model.stop_training and "max-minutes" in budget.reason
 
 
-def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
-    from keras_transformer.callbacks import RunCheckpointer
+def _compiled_tiny_model():
+    """A tiny model compiled with the paper's Adam, its optimizer state built (saveable)."""
     from keras_transformer.optimizer import paper_adam
 
     model = build_transformer("tiny", vocab_size=20)
     model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
     model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
+    from keras_transformer.callbacks import RunCheckpointer
+
+    model = _compiled_tiny_model()
     stopper = StopAt(max_steps=1000, max_seconds=None)
     checkpointer = RunCheckpointer(tmp_path / "ckpt", tmp_path / "backup", checkpoint_every=10,
                                    keep=2, patience=2, stopper=stopper)
@@ -170,11 +177,8 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
 def test_a_backup_killed_between_its_files_still_pairs_weights_and_state(
         tmp_path, monkeypatch, killed_after):
     from keras_transformer import callbacks
-    from keras_transformer.optimizer import paper_adam
 
-    model = build_transformer("tiny", vocab_size=20)
-    model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
-    model.optimizer.build(model.trainable_variables)
+    model = _compiled_tiny_model()
     backup = tmp_path / "backup"
     backup.mkdir()
     model.optimizer.iterations.assign(10)
@@ -202,9 +206,7 @@ def test_a_backup_killed_between_its_files_still_pairs_weights_and_state(
         callbacks.write_backup(model, backup, {"step": 20, "best_step": 20})
     monkeypatch.undo()
 
-    restored = build_transformer("tiny", vocab_size=20)
-    restored.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
-    restored.optimizer.build(restored.trainable_variables)
+    restored = _compiled_tiny_model()
     restored.load_weights(backup / "latest.weights.h5")
     step = int(restored.optimizer.iterations.numpy())
     assert step == (10 if killed_after == "state.next.json" else 20)
