@@ -1,6 +1,6 @@
 """What agreeing on every stop costs a multi-worker run (issue 16): the time of one
-`keras_transformer.cluster.any_worker` call (a one-float all-reduce between workers), made
-once per optimizer step by `keras_transformer.callbacks.AgreedStop`.
+`keras_transformer.cluster.workers.any_worker` call (a one-float all-reduce between workers), made
+once per optimizer step by `keras_transformer.training.callbacks.AgreedStop`.
 
 Starts `--workers` processes on 127.0.0.1 (a cluster in `TF_CONFIG`), each of which calls the
 agreement `--calls` times in `--rounds` rounds; prints the median milliseconds per call of
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 def worker(calls: int, rounds: int) -> None:
     """One worker: join the cluster, warm up, then time `rounds` x `calls` agreements."""
     sys.path.insert(0, str(REPO))
-    from keras_transformer.cluster import any_worker
-    from keras_transformer.distribution import select_strategy
+    from keras_transformer.cluster.strategy import select_strategy
+    from keras_transformer.cluster.workers import any_worker
 
     agree = any_worker(select_strategy())
     for _ in range(20):

@@ -27,9 +27,9 @@ import keras
 import sacrebleu
 import tensorflow as tf
 
-from keras_transformer import artifacts
-from keras_transformer.decoding import beam_search, encode_texts, greedy_search
-from keras_transformer.saved_model import serving_model
+from keras_transformer import run_directory
+from keras_transformer.decoding.search import beam_search, encode_texts, greedy_search
+from keras_transformer.serving.saved_model import serving_model
 from pipelines.corpora import load_corpus
 
 BATCH = 32
@@ -74,7 +74,7 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(2)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
-    model, tokenizer = artifacts.load_run(args.model)
+    model, tokenizer = run_directory.load_run(args.model)
     model = serving_model(model)
     corpus = load_corpus(args.data, args.split, args.src, args.tgt)
     sources = encode_texts(tokenizer, tf.constant(corpus.sources))

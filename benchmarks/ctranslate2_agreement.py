@@ -25,12 +25,12 @@ import sacrebleu  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
 from benchmarks.serving import add_run_and_split_flags  # noqa: E402
-from keras_transformer import artifacts  # noqa: E402
-from keras_transformer.ctranslate2_export import (  # noqa: E402
+from keras_transformer import run_directory  # noqa: E402
+from keras_transformer.decoding.translator import translate_texts  # noqa: E402
+from keras_transformer.serving.ctranslate2 import (  # noqa: E402
     export_ctranslate2,
     translate_with_ctranslate2,
 )
-from keras_transformer.translation import translate_texts  # noqa: E402
 from pipelines.corpora import load_corpus  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     corpus = load_corpus(args.data, args.split, args.src, args.tgt)
     sources, references = corpus.sources[:args.limit], corpus.targets[:args.limit]
-    model, tokenizer = artifacts.load_run(args.model)
+    model, tokenizer = run_directory.load_run(args.model)
     with tempfile.TemporaryDirectory() as temporary:
         directory = export_ctranslate2(model, tokenizer, Path(temporary) / "ct2")
         translator = ctranslate2.Translator(str(directory), device="cpu")

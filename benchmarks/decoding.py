@@ -36,8 +36,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_transformer.decoding import beam_search, encode_texts, greedy_search  # noqa: E402
-from keras_transformer.model import build_transformer  # noqa: E402
+from keras_transformer.decoding.search import beam_search, encode_texts, greedy_search  # noqa: E402
+from keras_transformer.model.transformer import build_transformer  # noqa: E402
 
 
 def _timed(run, runs: int) -> dict:
@@ -95,7 +95,7 @@ def _interleaved(variants: dict, runs: int) -> dict:
 
 def _model_and_tokenizer(args):
     if args.model:
-        from keras_transformer.artifacts import load_run
+        from keras_transformer.run_directory import load_run
 
         return (*load_run(args.model), f"trained model {args.model}")
     from pipelines.corpora import load_corpus

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tensorflow as tf  # noqa: E402
 
+from pipelines.constants import PAD_ID  # noqa: E402
 from pipelines.prepared import PreparedCorpus  # noqa: E402
-from pipelines.tokenizer import PAD_ID  # noqa: E402
 
 
 def throughput(prepared: PreparedCorpus, tokens_per_batch: int, batches: int,

@@ -65,7 +65,7 @@ def run(batch, beam):
 CTRANSLATE2_LOAD = """
 import ctranslate2
 import sentencepiece as spm
-from keras_transformer.ctranslate2_export import translate_with_ctranslate2
+from keras_transformer.serving.ctranslate2 import translate_with_ctranslate2
 translator = ctranslate2.Translator(sys.argv[1], device="cpu", compute_type=sys.argv[2],
                                     intra_threads={threads}, inter_threads=1)
 processor = spm.SentencePieceProcessor(model_file=sys.argv[1] + "/sentencepiece.model")
@@ -207,15 +207,15 @@ def main() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import sentencepiece as spm
 
-    from keras_transformer import artifacts
-    from keras_transformer.ctranslate2_export import export_ctranslate2
-    from keras_transformer.saved_model import export_saved_model
-    from keras_transformer.scoring import score_translations
+    from keras_transformer import run_directory
+    from keras_transformer.decoding.scoring import score_translations
+    from keras_transformer.serving.ctranslate2 import export_ctranslate2
+    from keras_transformer.serving.saved_model import export_saved_model
     from pipelines.corpora import load_corpus
 
     corpus = load_corpus(args.data, args.split, args.src, args.tgt)
     texts, references = list(corpus.sources), list(corpus.targets)
-    model, tokenizer = artifacts.load_run(args.model)
+    model, tokenizer = run_directory.load_run(args.model)
     processor = spm.SentencePieceProcessor(model_proto=tokenizer.model_proto)
     engines = {}
     with tempfile.TemporaryDirectory() as temporary:

@@ -43,9 +43,9 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks.flops import train_step_flops  # noqa: E402
 from keras_transformer.kernels import fused_kernels  # noqa: E402
-from keras_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
-from keras_transformer.model import build_transformer, transformer_config  # noqa: E402
-from keras_transformer.optimizer import paper_adam  # noqa: E402
+from keras_transformer.model.transformer import build_transformer, transformer_config  # noqa: E402
+from keras_transformer.training.losses import LabelSmoothedCrossEntropy  # noqa: E402
+from keras_transformer.training.optimizer import paper_adam  # noqa: E402
 
 
 def matmul_peak(dtype: str, size: int = 4096, repeats: int = 5) -> float:

@@ -3,7 +3,7 @@
     python -m keras_transformer.averaging --run runs/x --last 5
 
 writes `<run>/model.keras` from the mean of the newest 5 `checkpoints/ckpt-<step>.weights.h5`
-(the library: `keras_transformer.checkpoints`).
+(the library: `keras_transformer.training.checkpoints`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from keras_transformer import artifacts
-from keras_transformer.checkpoints import average_last_checkpoints
+from keras_transformer import run_directory
 from keras_transformer.logs import add_verbose_flag
+from keras_transformer.training.checkpoints import average_last_checkpoints
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,24 +31,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.last < 1:
         parser.error("--last must be >= 1")
     run = Path(args.run)
-    config_path = run / artifacts.CONFIG_FILE
+    config_path = run / run_directory.CONFIG_FILE
     if not config_path.is_file():
-        print(f"error: {run} is not a training run directory (no {artifacts.CONFIG_FILE})",
+        print(f"error: {run} is not a training run directory (no {run_directory.CONFIG_FILE})",
               file=sys.stderr)
         return 2
 
-    from keras_transformer.model import build_transformer
+    from keras_transformer.model.transformer import build_transformer
 
-    config = artifacts.read_json(config_path)
-    averaged = run / artifacts.CHECKPOINT_DIR / "averaged.weights.h5"
+    config = run_directory.read_json(config_path)
+    averaged = run / run_directory.CHECKPOINT_DIR / "averaged.weights.h5"
     try:
-        steps = average_last_checkpoints(run / artifacts.CHECKPOINT_DIR, args.last, averaged)
+        steps = average_last_checkpoints(run / run_directory.CHECKPOINT_DIR, args.last, averaged)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model = build_transformer(**config["model"])
     model.load_weights(averaged)
-    output = Path(args.output) if args.output else run / artifacts.MODEL_FILE
+    output = Path(args.output) if args.output else run / run_directory.MODEL_FILE
     model.save(output)
     print(f"averaged checkpoints of steps {steps} -> {output}")
     return 0

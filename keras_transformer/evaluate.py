@@ -1,6 +1,6 @@
 """Translate a test set and score it with sacreBLEU: BLEU (13a, cased, detokenized) and chrF.
 
-The library behind it: `keras_transformer.translation` and `keras_transformer.scoring`.
+The library behind it: `keras_transformer.decoding.translator` and `keras_transformer.decoding.scoring`.
 
     python -m keras_transformer.evaluate --model DIR --src-file F --ref-file F [--json]
     python -m keras_transformer.evaluate --model DIR --data FOLDER --split test_2016_flickr \\
@@ -17,11 +17,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from keras_transformer.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.decoding.scoring import score_translations
+from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.decoding.translator import ModelError, load_translator
 from keras_transformer.logs import add_verbose_flag
 from keras_transformer.progress import ProgressBar
-from keras_transformer.scoring import score_translations
-from keras_transformer.translation import ModelError, load_translator
 
 
 class UsageError(Exception):

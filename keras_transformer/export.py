@@ -1,8 +1,8 @@
 """Export a trained run: `python -m keras_transformer.export --model RUN_DIR --export-base DIR`.
 
 `--format saved_model` (default) writes a versioned SavedModel for TF Serving
-(`keras_transformer.saved_model`); `--format ctranslate2` a CTranslate2 model directory
-(`keras_transformer.ctranslate2_export`).
+(`keras_transformer.serving.saved_model`); `--format ctranslate2` a CTranslate2 model directory
+(`keras_transformer.serving.ctranslate2`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from keras_transformer.decoding import (
+from keras_transformer.decoding.search import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_EXTRA_LENGTH,
@@ -49,13 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("export: error: --format ctranslate2 needs the ctranslate2 package: "
               "pip install -e '.[ctranslate2]'", file=sys.stderr)
         return 1
-    from keras_transformer.artifacts import load_run
-    from keras_transformer.saved_model import export_saved_model
+    from keras_transformer.run_directory import load_run
+    from keras_transformer.serving.saved_model import export_saved_model
 
     try:
         model, tokenizer = load_run(args.model)
         if args.format == "ctranslate2":
-            from keras_transformer.ctranslate2_export import export_ctranslate2
+            from keras_transformer.serving.ctranslate2 import export_ctranslate2
 
             print(export_ctranslate2(model, tokenizer, args.export_base, args.quantization))
             return 0

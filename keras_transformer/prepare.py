@@ -13,14 +13,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from keras_transformer.logs import add_verbose_flag
-from keras_transformer.recipes import add_recipe_flag, parse_with_recipe
-from keras_transformer.train_flags import (
+from keras_transformer.flags import (
     HelpFormatter,
     add_data_flags,
     positive_int,
     validate_data_flags,
 )
+from keras_transformer.logs import add_verbose_flag
+from keras_transformer.training.recipes import add_recipe_flag, parse_with_recipe
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,9 +2,9 @@
 
 corpus -> prepared data (shared subword vocabulary and token shards, made once:
 `pipelines.prepared`) -> token-budget batches -> `model.fit` under a tf.distribute strategy
-(periodic/best checkpoints, resumable backup, TensorBoard: `keras_transformer.trainer`) ->
+(periodic/best checkpoints, resumable backup, TensorBoard: `keras_transformer.training.fit`) ->
 checkpoint averaging chosen on val -> BLEU/chrF on the test split -> SavedModel export
-(`keras_transformer.final_model`). This module is the command line over those.
+(`keras_transformer.training.final_weights`). This module is the command line over those.
 
 Every flag and the corpus are validated before the run directory is created, so a bad
 command fails at once with one line and exit status 2 and leaves nothing behind. Running
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from keras_transformer import artifacts, run_data
-from keras_transformer.cluster import (
+from keras_transformer import run_directory
+from keras_transformer.cluster.workers import (
     Cluster,
     ClusterFailure,
     PeerRefused,
@@ -33,14 +33,15 @@ from keras_transformer.cluster import (
     read_cluster,
     report_refusal,
 )
-from keras_transformer.logs import show_project_logs, stop_cli_logging
-from keras_transformer.train_flags import (
+from keras_transformer.flags import (
     DEFAULT_MAX_STEPS,
     StepBudget,
     parse_args,
     step_budget,
     validate_args,
 )
+from keras_transformer.logs import show_project_logs, stop_cli_logging
+from keras_transformer.training import run_data
 
 EXIT_WORKER_LOST = 3  # another worker was lost: restart every worker to resume
 
@@ -58,22 +59,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model_config = validate_args(args)
         cluster = read_cluster()
-        from keras_transformer import distribution
+        from keras_transformer.cluster import strategy as distribution
 
         # Before any other TF work (multi-worker needs it), and before the corpora: the
         # step's budget depends on the replicas and is refused before anything is read.
         strategy = distribution.select_strategy(cluster, args.join_timeout)
         budget = step_budget(args, strategy.num_replicas_in_sync)
         corpora = run_data.load_corpora(args)
-        from keras_transformer.trainer import run_config
+        from keras_transformer.training.fit import run_config
 
         config = run_config(args, model_config)
         chief = cluster.is_chief
         if chief:
-            mode = artifacts.inspect_run_dir(args.out, config["identity"],
+            mode = run_directory.inspect_run_dir(args.out, config["identity"],
                                              overwrite=args.overwrite, resume=args.resume)
         else:  # the chief judges (and creates) the run directory; workers only read it
-            finished = (Path(args.out) / artifacts.RESULTS_FILE).is_file()
+            finished = (Path(args.out) / run_directory.RESULTS_FILE).is_file()
             mode = "finished" if finished and not args.overwrite else "worker"
         prepared = scan = None
         if mode != "finished":
@@ -89,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return refuse(error, cluster)
     out = Path(args.out)
     if mode == "finished":
-        results = artifacts.read_json(out / artifacts.RESULTS_FILE)
+        results = run_directory.read_json(out / run_directory.RESULTS_FILE)
         say(f"{out} is already trained ({results.get('steps')} steps, BLEU "
             f"{results.get('bleu')}); pass --overwrite to train again.")
         return 0
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         if mode == "fresh":
             # Written first, so that a run killed while preparing its data is resumable.
-            artifacts.write_json_atomic(out / artifacts.CONFIG_FILE, config)
+            run_directory.write_json_atomic(out / run_directory.CONFIG_FILE, config)
     # Non-chief workers write their (identical) files to a scratch folder removed at the end:
     # every worker must save (variables may need collective reads), only the chief's count.
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = run_data.training_data(args, corpora["train"], prepared, scan, cluster, say)
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
-        from keras_transformer.trainer import train_model
+        from keras_transformer.training.fit import train_model
 
         outcome = train_model(args, config, corpora, data, strategy, cluster, budget, out,
                               home, started)
@@ -129,14 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(home, ignore_errors=True)
     if outcome["diverged"]:
         print(f"error: the loss became NaN at step {outcome['step']}; lower --lr-scale or raise "
-              f"--warmup-steps. Earlier checkpoints are in {out / artifacts.CHECKPOINT_DIR}.",
+              f"--warmup-steps. Earlier checkpoints are in {out / run_directory.CHECKPOINT_DIR}.",
               file=sys.stderr)
         return 1
     if not chief:
         say(f"{cluster.describe()}: trained to step {outcome['step']} ({outcome['reason']}); "
             "the chief evaluates and exports")
         return 0
-    from keras_transformer.final_model import finish_run
+    from keras_transformer.training.final_weights import finish_run
 
     finish_run(args, config, corpora, outcome)
     return 0
@@ -158,8 +159,8 @@ def dry_run(args: argparse.Namespace, model_config, corpora: dict[str, Any], bud
             mode: str, prepared) -> None:
     """Prints what the command would do (`--dry-run`); everything was checked, nothing made."""
     out = Path(args.out)
-    backup_state = out / artifacts.BACKUP_DIR / "state.json"
-    resume_step = (artifacts.read_json(backup_state).get("step", 0)
+    backup_state = out / run_directory.BACKUP_DIR / "state.json"
+    resume_step = (run_directory.read_json(backup_state).get("step", 0)
                    if backup_state.is_file() else 0)
     run = {"fresh": "new" + (" (the existing one is deleted: --overwrite)" if out.exists() else ""),
            "resume": f"resumes an interrupted run at step {resume_step}",

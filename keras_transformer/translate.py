@@ -3,7 +3,7 @@
 `--model` may be:
     a SavedModel folder (holds saved_model.pb, from `keras_transformer.export`);
     a `saved_models/<name>` folder: its highest integer version is used;
-    a run directory (model.keras + tokenizer/, see `keras_transformer.artifacts`).
+    a run directory (model.keras + tokenizer/, see `keras_transformer.run_directory`).
 Input lines come from `--input FILE` (with a progress bar on stderr) or stdin; one
 translation per input line goes to stdout (or `--output`), in order, decoded in batches.
 `--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps for each line
@@ -17,10 +17,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from keras_transformer.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.decoding.translator import ModelError, load_translator
 from keras_transformer.logs import add_verbose_flag
 from keras_transformer.progress import ProgressBar
-from keras_transformer.translation import ModelError, load_translator
 
 
 def _read_lines(source: str | None) -> list[bytes]:
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.buffer.write(text.encode("utf-8"))
         sys.stdout.flush()
     if args.plot_attention:
-        from keras_transformer.plots import plot_attention
+        from keras_transformer.decoding.attention_plots import plot_attention
 
         try:
             for number, line in enumerate(lines, start=1):

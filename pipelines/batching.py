@@ -37,8 +37,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from pipelines.constants import BOS_ID, EOS_ID, PAD_ID
 from pipelines.corpora import ParallelCorpus, log_dropped
-from pipelines.tokenizer import BOS_ID, EOS_ID, PAD_ID, SubwordTokenizer
+from pipelines.tokenizer import SubwordTokenizer
 
 __all__ = [
     "StreamPosition",

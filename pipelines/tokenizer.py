@@ -35,6 +35,7 @@ import sentencepiece as spm
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from pipelines.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from pipelines.corpora import ParallelCorpus, corpus_fingerprint
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
     "train_tokenizer",
 ]
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MODEL_FILE, VOCAB_FILE, CONFIG_FILE = "spm.model", "spm.vocab", "tokenizer.json"
 _FORMAT_VERSION = 1
 # Unigram training results depend on the thread count (BPE's do not); a fixed count keeps

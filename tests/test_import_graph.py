@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.test_training_cli import REPO
+from tests.cli.test_train import REPO
 
 PACKAGES = ("keras_transformer", "pipelines")
 

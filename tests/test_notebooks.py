@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 import keras_transformer
-from tests.test_training_cli import REPO
+from tests.cli.test_train import REPO
 
 NOTEBOOK = REPO / "notebooks" / "multi30k.ipynb"
 

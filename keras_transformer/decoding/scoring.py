@@ -1,0 +1,63 @@
+"""How good a model is: sacreBLEU and chrF of its translations (13a, cased, detokenized), and
+its exact per-token validation loss."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from keras_transformer.training.losses import masked_token_loss_sum
+
+__all__ = ["score_translations", "validation_loss"]
+
+
+def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
+    """Corpus BLEU (sacreBLEU defaults: 13a tokenization, cased) and chrF, with signatures.
+
+    Both sides are detokenized text; one reference per hypothesis.
+
+    Returns:
+        {"bleu": float, "chrf": float, "bleu_signature": str, "chrf_signature": str,
+         "bleu_details": str (n-gram precisions, brevity penalty), "sentences": int}
+
+    Raises:
+        ValueError: if the lists differ in length or are empty.
+    """
+    from sacrebleu.metrics import BLEU, CHRF
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
+    if not hypotheses:
+        raise ValueError("nothing to score: no sentences.")
+    bleu, chrf = BLEU(), CHRF()
+    bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
+    chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
+    return {
+        "bleu": float(bleu_score.score),
+        "chrf": float(chrf_score.score),
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+        "bleu_details": str(bleu_score),
+        "sentences": len(hypotheses),
+    }
+
+
+
+
+def validation_loss(model, batches, label_smoothing: float = 0.1) -> float:
+    """Label-smoothed cross-entropy per target token of `model` over `batches`: the exact
+    token mean over the whole split, not a mean of batch means.
+
+    Args:
+        model: a `Transformer`.
+        batches: `(features, labels)` pairs, e.g. `make_batches(corpus, tokenizer,
+            shuffle=False)`.
+        label_smoothing: epsilon_ls (0 gives the plain cross-entropy).
+    """
+    total = tokens = 0.0
+    for features, labels in batches:
+        loss_sum, count = masked_token_loss_sum(labels, model(features, training=False),
+                                                label_smoothing, differentiable=False)
+        total += float(loss_sum)
+        tokens += float(count)
+    return total / max(tokens, 1.0)

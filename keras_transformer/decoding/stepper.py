@@ -1,0 +1,166 @@
+"""One step of incremental decoding over the live hypotheses, and the batch that shrinks.
+
+`search_loops` runs greedy and beam search as loops over `Stepper` calls. A stepper holds what a
+step reads per hypothesis row (the self-attention cache, the encoder side, the source mask) and
+applies the beam reorder and the removal of finished sentences (`select`); `kept_sentences`
+decides when the batch shrinks.
+
+Conventions: token buffers hold BOS in column 0 and the generated token of step `i` in column
+`i + 1`; the batch*beam axis is batch-major (row `b * beam_size + k`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# With jit_compile, cache lengths and source widths are rounded up to these multiples, so a
+# run over many batches compiles a few shapes rather than one per batch. The extra cache
+# positions and source columns are masked, so results do not change.
+JIT_LENGTH_BUCKET = 8
+JIT_SOURCE_BUCKET = 8
+
+
+def map_structure(function, structure):
+    """`function` applied to every tensor of a nested cache structure."""
+    return tf.nest.map_structure(function, structure)
+
+
+def round_up(value, multiple: int):
+    return (value + multiple - 1) // multiple * multiple
+
+
+def write_column(sequences, index, tokens):
+    """sequences (..., T) with column `index` set to tokens (...)."""
+    columns = tf.range(tf.shape(sequences)[-1])
+    return tf.where(columns == index, tokens[..., None], sequences)
+
+
+class Stepper:
+    """One decoding step over the live hypotheses, cached (one position) or uncached (prefix).
+
+    The state holds, per hypothesis row, what a step reads: the self-attention cache, the
+    encoder side (the cross-attention keys/values, or the encoder output when uncached) and
+    the source mask; plus the pending row order. `select` schedules which cache rows the
+    next step continues (a beam reorder, and fewer rows once sentences have finished); the
+    gather itself is deferred to the start of the next step, so under XLA it fuses with the
+    cache writes instead of being one more full cache copy.
+
+    Args:
+        model: exposes `initial_cache` and `decode` (as `Transformer`).
+        encoder_output, source_mask: from `model.encode`, one row per sentence.
+        repeats: hypotheses per sentence (the beam size).
+        max_length: target positions a fixed-length cache holds (with `fixed_length`).
+        use_cache: incremental decoding; False re-runs the decoder over the whole prefix.
+        fixed_length: a cache of `max_length` positions written in place (shapes stay fixed,
+            as XLA wants) instead of one that grows by a position a step.
+    """
+
+    def __init__(self, model, encoder_output, source_mask, repeats, max_length, use_cache,
+                 fixed_length=False):
+        self.model = model
+        self.use_cache = use_cache
+        self.fixed_length = fixed_length
+        source_mask = tf.repeat(source_mask, repeats, axis=0)
+        if use_cache:
+            # The encoder-side keys/values are projected once per sentence, then shared by its
+            # beams. A growing self-attention cache makes a step copy (reorder, append) only
+            # the positions so far.
+            self_cache, cross_cache = model.initial_cache(
+                encoder_output, max_length if fixed_length else 0)
+            cross_cache = map_structure(lambda t: tf.repeat(t, repeats, axis=0), cross_cache)
+            self_cache = map_structure(lambda t: tf.repeat(t, repeats, axis=0), self_cache)
+            rows = tf.shape(source_mask)[0]
+            self.initial_state = (self_cache, tf.range(rows), cross_cache, source_mask)
+        else:
+            self.initial_state = (tf.repeat(encoder_output, repeats, axis=0), source_mask)
+
+    def _cached_step(self, tokens, cache, rows, cross_cache, source_mask, index):
+        def reordered():
+            return map_structure(lambda t: tf.gather(t, rows, axis=0), cache)
+
+        if self.fixed_length:
+            cache = reordered()
+        else:  # the gather is a full copy: skip it when no row moved
+            unchanged = tf.reduce_all(rows == tf.range(tf.shape(rows)[0])) & (
+                tf.shape(rows)[0] == tf.shape(tf.nest.flatten(cache)[0])[0])
+            cache = tf.cond(unchanged, lambda: cache, reordered)
+        logits, cache = self.model.decode(tokens, source_mask, cache, cross_cache, index,
+                                          grow_cache=not self.fixed_length)
+        return tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32)), cache
+
+    def __call__(self, sequences, index, state):
+        """Log-probs (rows, vocab) float32 of the token after `sequences[:, index]`."""
+        if self.use_cache:
+            cache, rows, cross_cache, source_mask = state
+            # tf.slice, not [:, index: index + 1]: XLA then knows the width is 1.
+            tokens = tf.slice(sequences, [0, index], [-1, 1])
+            log_probs, cache = self._cached_step(tokens, cache, rows, cross_cache, source_mask,
+                                                 index)
+            return log_probs, (cache, tf.range(tf.shape(rows)[0]), cross_cache, source_mask)
+        # The whole decoder re-runs over the prefix with fresh caches: the baseline that the
+        # cache is measured against (the encoder output is still computed once).
+        encoder_output, source_mask = state
+        prefix = sequences[:, : index + 1]
+        self_cache, cross_cache = self.model.initial_cache(encoder_output, index + 1)
+        logits, _ = self.model.decode(prefix, source_mask, self_cache, cross_cache, 0)
+        return tf.nn.log_softmax(tf.cast(logits[:, -1, :], tf.float32)), state
+
+    def settle(self, state):
+        """The state with the pending row order applied (the cache then has one row per
+        hypothesis, as a loop over fixed shapes needs)."""
+        if not self.use_cache:
+            return state
+        cache, rows, cross_cache, source_mask = state
+        cache = map_structure(lambda t: tf.gather(t, rows, axis=0), cache)
+        return cache, tf.range(tf.shape(rows)[0]), cross_cache, source_mask
+
+    def pending_rows(self, state):
+        """The cache rows (rows,) int32 that the next step continues, as `select` left them."""
+        if self.use_cache:
+            return state[1]
+        return tf.range(tf.shape(state[1])[0])
+
+    def select(self, state, rows, kept=None):
+        """The state for the next step: its row i continues the cache row `rows[i]` of this
+        step. `kept` (the rows of this step that go on, in the new order; None: all) is given
+        when finished sentences leave: the encoder side then shrinks with them."""
+        if kept is not None:
+            state = self._keep_encoder_side(state, kept)
+        return (state[0], rows, *state[2:]) if self.use_cache else state
+
+    def _keep_encoder_side(self, state, kept):
+        if self.use_cache:
+            cache, rows, cross_cache, source_mask = state
+            cross_cache = map_structure(lambda t: tf.gather(t, kept, axis=0), cross_cache)
+            return cache, rows, cross_cache, tf.gather(source_mask, kept, axis=0)
+        encoder_output, source_mask = state
+        return tf.gather(encoder_output, kept, axis=0), tf.gather(source_mask, kept, axis=0)
+
+
+def kept_sentences(active, powers_of_two):
+    """Which sentences (rows of `active` (n,) bool) the next step computes, active first.
+
+    Leaving the batch costs a copy of the rows that stay (the cache is gathered), so the
+    batch shrinks once a quarter of its rows have finished, to exactly the active ones.
+    With `powers_of_two` (XLA, where every new row count is a new compilation) the count
+    only falls to a power of two (32, 16, 8, ...: a handful of shapes), the remaining places
+    filled with finished sentences, computed but ignored.
+    """
+    rows = tf.shape(active)[0]
+    count = tf.reduce_sum(tf.cast(active, tf.int32))
+    if powers_of_two:
+        count = tf.minimum(rows, tf.bitwise.left_shift(1, tf.cast(tf.math.ceil(
+            tf.math.log(tf.cast(tf.maximum(count, 1), tf.float32)) / tf.math.log(2.0)),
+            tf.int32)))
+    else:
+        count = tf.where(rows - count >= tf.maximum(rows // 4, 1), count, rows)
+    order = tf.argsort(tf.cast(tf.logical_not(active), tf.int32), stable=True)
+    return order[:count]
+
+
+def encode(model, source_ids, bucketed):
+    """The encoder output, with the source padded to a bucketed width if `bucketed`."""
+    if bucketed:
+        width = tf.shape(source_ids)[1]
+        source_ids = tf.pad(source_ids, [[0, 0], [0, round_up(width, JIT_SOURCE_BUCKET) - width]])
+    return model.encode(source_ids)

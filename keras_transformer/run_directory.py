@@ -1,0 +1,119 @@
+"""The layout of a run directory, shared by training (writer) and decoding/evaluation (readers).
+
+```
+<run>/config.json        the model config, tokenizer settings, data and training arguments
+<run>/tokenizer/         spm.model, spm.vocab, tokenizer.json (pipelines.tokenizer)
+<run>/prepared/          the prepared training data unless --prepared puts them elsewhere
+                         (tokenizer and token shards, pipelines.prepared)
+<run>/model.keras        the final (checkpoint-averaged) model, loadable in a notebook
+<run>/checkpoints/       periodic weights, ckpt-<step>.weights.h5, and best.weights.h5
+<run>/backup/            keras.callbacks.BackupAndRestore state for resuming a killed run
+<run>/logs/              TensorBoard
+<run>/results.json       final metrics (validation loss, BLEU with its signature, ...)
+```
+
+A run directory is "finished" once results.json exists; before that, the same training
+command resumes it (`inspect_run_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+TOKENIZER_DIR = "tokenizer"
+PREPARED_DIR = "prepared"
+MODEL_FILE = "model.keras"
+CHECKPOINT_DIR = "checkpoints"
+BACKUP_DIR = "backup"
+LOG_DIR = "logs"
+RESULTS_FILE = "results.json"
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True if `path` holds a trained model and its tokenizer."""
+    path = Path(path)
+    return (path / MODEL_FILE).is_file() and (path / TOKENIZER_DIR).is_dir()
+
+
+def load_run(path: str | Path):
+    """Loads `(model, tokenizer)` from a run directory.
+
+    Raises:
+        FileNotFoundError: naming what is missing, if `path` is not a complete run directory.
+    """
+    from pipelines.tokenizer import SubwordTokenizer
+
+    path = Path(path)
+    for required in (path / MODEL_FILE, path / TOKENIZER_DIR):
+        if not required.exists():
+            raise FileNotFoundError(
+                f"{path} is not a run directory: {required.name} is missing. Pass the --out "
+                "folder of a finished `python -m keras_transformer.train` run, or a SavedModel."
+            )
+    import keras
+
+    import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
+
+    model = keras.models.load_model(path / MODEL_FILE, compile=False)
+    return model, SubwordTokenizer.load(path / TOKENIZER_DIR)
+
+
+def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
+    """Writes `data` as JSON via a temporary file and a rename, so readers never see half."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    temporary.replace(path)
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """Reads a JSON file written by `write_json_atomic`."""
+    return json.loads(Path(path).read_text())
+
+
+class RunDirError(ValueError):
+    """`--out` cannot be used: not a run directory, or a run made with other settings."""
+
+
+def inspect_run_dir(
+    out: str | Path, identity: dict[str, Any], overwrite: bool = False, resume: bool = False
+) -> str:
+    """What training should do with the directory `out`.
+
+    Args:
+        out: the run directory.
+        identity: the settings that must match `config.json`'s "identity" for a resume.
+        overwrite: start over even if `out` holds a run (it is deleted by the caller).
+        resume: require a run to resume.
+
+    Returns:
+        "fresh" (absent, empty, or to be overwritten), "resume" or "finished".
+
+    Raises:
+        RunDirError: `out` is a file or a non-empty non-run folder, holds a run made with
+            other settings (naming them), or `resume` is set and there is nothing to resume.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} exists and is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        if resume:
+            raise RunDirError(f"--resume: {out} holds no run to resume")
+        return "fresh"
+    config_path = out / CONFIG_FILE
+    if not config_path.is_file():
+        raise RunDirError(f"--out {out} is a non-empty directory that is not a training run; "
+                          "pick another --out")
+    if overwrite:
+        return "fresh"
+    wanted = json.loads(json.dumps(identity))  # as it reads back from JSON (tuples -> lists)
+    recorded = read_json(config_path).get("identity") or {}
+    changed = sorted(key for key in wanted if recorded.get(key) != wanted[key])
+    if changed:
+        raise RunDirError(f"{out} was trained with different settings ({', '.join(changed)}); "
+                          "use the original flags to resume, --overwrite to start over, or "
+                          "another --out")
+    return "finished" if (out / RESULTS_FILE).is_file() else "resume"

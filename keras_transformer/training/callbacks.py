@@ -1,0 +1,366 @@
+"""Training callbacks: throughput and learning-rate logging, wall-clock and step limits,
+periodic and best checkpoints with early stopping, and a crash-safe backup for resuming.
+
+Keras "epochs" in `train.py` are fixed intervals of `steps_per_epoch` optimizer steps over an
+endless, deterministic batch stream (not passes over the data), so the backup written at
+each interval's end is always on an interval boundary: a resumed run starts the next interval
+with the data stream started at exactly the restored step (without replaying the steps before).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import keras
+from keras import ops
+from keras.src.saving import saving_lib
+
+from keras_transformer import run_directory
+from keras_transformer.training.checkpoints import checkpoint_path, list_checkpoints, steps_to_keep
+from pipelines.constants import PAD_ID
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class TokenCount(keras.metrics.Metric):
+    """Number of non-padding label tokens seen since the last reset (summed over replicas)."""
+
+    def __init__(self, name: str = "tokens", **kwargs):
+        kwargs.pop("dtype", None)
+        super().__init__(name=name, dtype="float32", **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        del y_pred, sample_weight
+        self.count.assign_add(ops.sum(ops.cast(ops.not_equal(y_true, PAD_ID), "float32")))
+
+    def result(self):
+        # A copy: fit() reads epoch results after validation, and the variable would by then
+        # hold the validation count.
+        return ops.add(self.count, 0.0)
+
+    def reset_state(self):
+        self.count.assign(0.0)
+
+
+def global_step(model: keras.Model) -> int:
+    """The optimizer's update count: the training step, which survives a restore."""
+    return int(model.optimizer.iterations.numpy())
+
+
+class ThroughputLogger(keras.callbacks.Callback):
+    """Adds `tokens_per_sec`, `steps_per_sec`, `learning_rate` and `step` to each interval's
+    logs (so the progress bar, TensorBoard and the history all show them).
+
+    Place it before `TensorBoard` in the callback list: later callbacks see the added keys.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._start = time.perf_counter()
+        self._start_step = 0
+        self.total_tokens = 0.0
+        self.total_seconds = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+        self._start_step = global_step(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        seconds = max(time.perf_counter() - self._start, 1e-9)
+        step = global_step(self.model)
+        tokens = float(logs.get("tokens", 0.0))
+        self.total_tokens += tokens
+        self.total_seconds += seconds
+        logs["tokens_per_sec"] = tokens / seconds
+        logs["steps_per_sec"] = (step - self._start_step) / seconds
+        logs["step"] = step
+        rate = self.model.optimizer.learning_rate
+        logs["learning_rate"] = float(ops.convert_to_numpy(rate))
+
+
+class FirstStepTimer(keras.callbacks.Callback):
+    """Reports once, after the first training step, how long the command took to get there.
+
+    Args:
+        started: `time.perf_counter()` when the command started.
+        report: called with the message (e.g. `print`).
+    """
+
+    def __init__(self, started: float, report):
+        super().__init__()
+        self.started = started
+        self.report = report
+        self._done = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self._done:
+            self._done = True
+            self.report(f"first training step (step {global_step(self.model)}) done "
+                        f"{time.perf_counter() - self.started:.1f} s after start")
+
+
+class ProgressLog(keras.callbacks.Callback):
+    """One line per interval, in optimizer steps and minutes (instead of Keras' "Epoch 3/42"):
+
+        step 1,200 / 4,200 · 15.2 min, ~38 min left · loss 3.214 · accuracy 0.523 ·
+        val_loss 2.931 · 4,812 tokens/s
+
+    With a --max-minutes budget that ends the run first, the total is an estimate at the
+    current speed ("~3,900").
+
+    Args:
+        stopper: the run's `StopAt` (step limit, time budget, elapsed time).
+        report: called with each line (e.g. a logger's `info`).
+    """
+
+    def __init__(self, stopper: StopAt, report):
+        super().__init__()
+        self.stopper = stopper
+        self.report = report
+        self._first_step = None
+
+    def on_train_begin(self, logs=None):
+        self._first_step = global_step(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        step = global_step(self.model)
+        elapsed = self.stopper.elapsed
+        run_seconds = max(elapsed - self.stopper.elapsed_before, 1e-9)
+        rate = (step - self._first_step) / run_seconds  # steps/s in this process
+        total, approximate = self.stopper.max_steps, ""
+        if self.stopper.max_seconds is not None and rate > 0:
+            by_time = step + int(rate * max(self.stopper.max_seconds - elapsed, 0.0))
+            if by_time < total:
+                total, approximate = by_time, "~"
+        left = (total - step) / rate / 60 if rate > 0 else float("nan")
+        parts = [f"step {step:,} / {approximate}{total:,}",
+                 f"{elapsed / 60:.1f} min, ~{left:.0f} min left"]
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            if key in logs:
+                parts.append(f"{key} {float(logs[key]):.3f}")
+        if "tokens_per_sec" in logs:
+            parts.append(f"{float(logs['tokens_per_sec']):,.0f} tokens/s")
+        self.report(" · ".join(parts))
+
+
+class StepTensorBoard(keras.callbacks.TensorBoard):
+    """`keras.callbacks.TensorBoard` whose x axis is the optimizer step, not Keras' interval
+    ("epoch") index: curves of runs with different intervals, or resumed runs, line up."""
+
+    def _log_epoch_metrics(self, epoch, logs):
+        super()._log_epoch_metrics(global_step(self.model), logs)
+
+
+class StopAt(keras.callbacks.Callback):
+    """Stops after `max_steps` optimizer steps or `max_seconds` of training, whichever first.
+
+    `elapsed_before` is the training time of earlier (interrupted) runs of the same run
+    directory, so a resumed run keeps to the original wall-clock budget.
+    """
+
+    def __init__(self, max_steps: int, max_seconds: float | None, elapsed_before: float = 0.0):
+        super().__init__()
+        self.max_steps = max_steps
+        self.max_seconds = max_seconds
+        self.elapsed_before = elapsed_before
+        self.reason = ""
+        self._start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        """Training seconds so far, including earlier runs."""
+        return self.elapsed_before + time.perf_counter() - self._start
+
+    def on_train_begin(self, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if global_step(self.model) >= self.max_steps:
+            self.reason = f"reached the step limit {self.max_steps}"
+            self.model.stop_training = True
+        elif self.max_seconds is not None and self.elapsed >= self.max_seconds:
+            self.reason = f"used the --max-minutes budget ({self.max_seconds / 60:g} min)"
+            self.model.stop_training = True
+
+
+class AgreedStop(keras.callbacks.Callback):
+    """Makes each stop a decision of every worker, taken between optimizer updates.
+
+    A worker that left `fit` alone would leave the others waiting forever in their next
+    all-reduce, and a stop between the micro-batches of an accumulated update would drop
+    them. So a stop wished by any callback before this one (place it last) waits for the
+    update's end; there, and at each interval's end, `stop_training` becomes the OR of every
+    worker's wish (`agree`). Stops decided from all-reduced values (the step, the loss for
+    NaN, the validation loss for patience) are the same on every worker anyway; the wall
+    clock of `--max-minutes` is not.
+
+    Args:
+        agree: this worker's wish -> whether any worker wishes to stop; a collective where
+            several processes train (`keras_transformer.cluster.workers.any_worker`), else `bool`.
+        stopper: the `StopAt` callback; its `reason` says so when another worker's clock
+            stopped this one.
+    """
+
+    def __init__(self, agree, stopper: StopAt):
+        super().__init__()
+        self.agree = agree
+        self.stopper = stopper
+        self._wished = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._wished = self._wished or bool(self.model.stop_training)
+        if getattr(self.model, "pending_micro_batches", 0):
+            self.model.stop_training = False  # until the update's end
+            return
+        self._settle()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._wished = self._wished or bool(self.model.stop_training)
+        self._settle()
+
+    def _settle(self) -> None:
+        stop = self.agree(self._wished)
+        if stop and not self._wished and not self.stopper.reason:
+            # Only a worker's own --max-minutes clock (or flags other than ours) can differ.
+            self.stopper.reason = "stopped with another worker (its --max-minutes or --max-steps)"
+        self.model.stop_training = stop
+        self._wished = stop
+
+
+def save_model_weights(model: keras.Model, path: str | Path) -> None:
+    """Saves only the model's weights (no optimizer slots: a third of the size) as a Keras
+    `.weights.h5`, atomically: written under a temporary name, then renamed."""
+    path = Path(path)
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    optimizer = getattr(model, "optimizer", None)
+    skip = [optimizer] if optimizer is not None else None
+    saving_lib.save_weights_only(model, str(temporary), objects_to_skip=skip)
+    temporary.replace(path)
+
+
+def save_training_state(model: keras.Model, path: str | Path) -> None:
+    """Saves weights *and* optimizer state (the step count included), atomically."""
+    path = Path(path)
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    model.save_weights(str(temporary))
+    temporary.replace(path)
+
+
+def write_backup(model: keras.Model, backup_dir: Path, state: dict[str, Any]) -> None:
+    """Writes the resumable backup: `latest.weights.h5` (weights and optimizer) and its
+    `state.json`, so that a kill at any moment leaves a pair `read_backup_state` can match.
+
+    Each file is replaced atomically, but not both at once: the new state goes first to
+    `state.next.json`, then the weights, then the state into place. A kill after the
+    weights leaves `state.next.json` matching them; a kill before leaves the old pair.
+    """
+    upcoming = backup_dir / "state.next.json"
+    run_directory.write_json_atomic(upcoming, state)
+    save_training_state(model, backup_dir / "latest.weights.h5")
+    upcoming.replace(backup_dir / "state.json")
+
+
+def read_backup_state(backup_dir: Path, weights_step: int) -> dict[str, Any] | None:
+    """The state written with the backup weights of `weights_step` (see `write_backup`), or
+    None if neither `state.json` nor a leftover `state.next.json` is theirs."""
+    for name in ("state.json", "state.next.json"):
+        path = backup_dir / name
+        if path.is_file() and (state := run_directory.read_json(path)).get("step") == weights_step:
+            return state
+    return None
+
+
+class RunCheckpointer(keras.callbacks.Callback):
+    """At each interval's end: periodic checkpoint, best-by-validation-loss checkpoint, early
+    stopping, and the resumable backup (optimizer included) with `state` for a restart.
+
+    Args:
+        checkpoint_dir: where `ckpt-<step>.weights.h5` and `best.weights.h5` go.
+        backup_dir: where `latest.weights.h5` and `state.json` go.
+        checkpoint_every: save a periodic checkpoint when the step is a multiple of this.
+        keep: the checkpoints averaged: keep the newest `keep` periodic checkpoints and the
+            `keep` around the best validation step.
+        patience: stop after this many validations without improvement (0 = never).
+        stopper: the `StopAt` callback, whose elapsed time is recorded for resuming.
+        state: restored state of an interrupted run (best_val_loss, bad_validations, ...).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        backup_dir: str | Path,
+        checkpoint_every: int,
+        keep: int,
+        patience: int,
+        stopper: StopAt,
+        state: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.backup_dir = Path(backup_dir)
+        self.checkpoint_every = checkpoint_every
+        self.keep = keep
+        self.patience = patience
+        self.stopper = stopper
+        state = state or {}
+        self.best_val_loss = float(state.get("best_val_loss") or math.inf)
+        self.best_step = int(state.get("best_step", -1))
+        self.bad_validations = int(state.get("bad_validations", 0))
+        self.diverged = False
+        self.stopped_early = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        step = global_step(self.model)
+        loss = logs.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            self.diverged = True  # TerminateOnNaN stops; never checkpoint NaN weights
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.backup_dir.mkdir(parents=True, exist_ok=True)
+        if step % self.checkpoint_every == 0 or self.model.stop_training:
+            save_model_weights(self.model, checkpoint_path(self.checkpoint_dir, step))
+            self._remove_old_checkpoints()
+        val_loss = logs.get("val_loss")
+        if val_loss is not None:
+            if val_loss < self.best_val_loss:
+                self.best_val_loss, self.best_step = float(val_loss), step
+                self.bad_validations = 0
+                save_model_weights(self.model, self.checkpoint_dir / "best.weights.h5")
+            else:
+                self.bad_validations += 1
+                if self.patience and self.bad_validations >= self.patience:
+                    self.stopper.reason = (
+                        f"early stopping: no validation improvement in {self.patience} "
+                        f"validations (best {self.best_val_loss:.4f} at step {self.best_step})"
+                    )
+                    self.stopped_early = True
+                    self.model.stop_training = True
+        # The backup last, so that a restart never sees a backup ahead of the checkpoints.
+        write_backup(self.model, self.backup_dir, self.state(epoch + 1, step))
+
+    def _remove_old_checkpoints(self) -> None:
+        # The newest `keep`, and those around the best step so far: an early-stopped run
+        # may average those instead (keras_transformer.training.checkpoints.averaging_windows).
+        found = dict(list_checkpoints(self.checkpoint_dir))
+        for step in set(found) - steps_to_keep(list(found), self.best_step, self.keep):
+            found[step].unlink(missing_ok=True)
+
+    def state(self, epochs_done: int, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "epochs_done": epochs_done,
+            "elapsed_seconds": self.stopper.elapsed,
+            "best_val_loss": self.best_val_loss if math.isfinite(self.best_val_loss) else None,
+            "best_step": self.best_step,
+            "bad_validations": self.bad_validations,
+            "stopped_early": self.stopped_early,
+            "stop_reason": self.stopper.reason,
+        }

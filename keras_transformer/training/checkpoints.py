@@ -1,0 +1,152 @@
+"""Checkpoints and their averaging (paper 6.1: "a single model obtained by averaging the last 5
+checkpoints, which were written at 10-minute intervals").
+
+A run keeps periodic `checkpoints/ckpt-<step>.weights.h5` files. The paper averages the last
+ones; a run that stopped early (or overfit its small corpus) has its best weights before its
+last checkpoints, so it also keeps the checkpoints around its best validation step, as
+fairseq keeps its best checkpoints for averaging (`--keep-best-checkpoints`). Which window
+is averaged is then decided on the validation split (`keras_transformer.training.final_weights`).
+
+Averaging works on the HDF5 files directly (every floating-point array is averaged; integer
+arrays such as counters are taken from the newest file), so it needs no model to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+LAST = "last"
+UP_TO_BEST = "up to the best step"
+AROUND_BEST = "around the best step"
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    """The periodic checkpoint of `step` in `directory`."""
+    return Path(directory) / f"ckpt-{step:08d}.weights.h5"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """Periodic checkpoints in `directory` as (step, path), oldest first."""
+    found = []
+    for path in Path(directory).glob("ckpt-*.weights.h5"):
+        digits = path.name[len("ckpt-"):-len(".weights.h5")]
+        if digits.isdigit():
+            found.append((int(digits), path))
+    return sorted(found)
+
+
+def averaging_windows(steps: Sequence[int], best_step: int | None,
+                      count: int) -> dict[str, list[int]]:
+    """The windows of `count` checkpoints worth averaging, by name, without repeats.
+
+    Args:
+        steps: the steps that have a periodic checkpoint.
+        best_step: the step of the lowest validation loss (None or < 0: unknown).
+        count: checkpoints per window (the paper: 5).
+
+    Returns:
+        `LAST`: the newest `count`; and when a best step is known, `UP_TO_BEST`: the newest
+        `count` at or before it, `AROUND_BEST`: the `count` nearest to it (earlier on ties).
+        A window equal to an earlier one is left out.
+    """
+    steps = sorted(steps)
+    windows = {LAST: steps[-count:]}
+    if best_step is not None and best_step >= 0:
+        windows[UP_TO_BEST] = [step for step in steps if step <= best_step][-count:]
+        windows[AROUND_BEST] = sorted(
+            sorted(steps, key=lambda step: (abs(step - best_step), step))[:count])
+    unique: dict[str, list[int]] = {}
+    for name, window in windows.items():
+        if window and window not in unique.values():
+            unique[name] = window
+    return unique
+
+
+def steps_to_keep(steps: Sequence[int], best_step: int | None, count: int) -> set[int]:
+    """The checkpoints a run must keep so that every window of `averaging_windows` exists."""
+    return {step for window in averaging_windows(steps, best_step, count).values()
+            for step in window}
+
+
+def average_weight_files(paths: Sequence[str | Path], output: str | Path) -> Path:
+    """Writes the element-wise mean of Keras `.weights.h5` files with identical structure.
+
+    Args:
+        paths: one or more weight files (one is copied through unchanged).
+        output: the averaged file, also a Keras `.weights.h5` (`model.load_weights` reads it).
+
+    Raises:
+        ValueError: no paths, or files whose arrays differ in names or shapes.
+    """
+    if not paths:
+        raise ValueError("No checkpoints to average.")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temporary = output.with_name(".tmp-" + output.name)
+    sources = [h5py.File(path, "r") for path in paths]
+    try:
+        with h5py.File(temporary, "w") as target:
+            _average_group(sources, target, [str(p) for p in paths])
+    finally:
+        for source in sources:
+            source.close()
+    temporary.replace(output)
+    return output
+
+
+def _average_group(sources: list[h5py.Group], target: h5py.Group, names: list[str]) -> None:
+    first, newest = sources[0], sources[-1]
+    for key, value in first.attrs.items():
+        target.attrs[key] = value
+    for key in first:
+        missing = [name for name, source in zip(names, sources, strict=True) if key not in source]
+        if missing:
+            raise ValueError(f"{key!r} of {names[0]} is missing in {missing}: different models?")
+        item = first[key]
+        if isinstance(item, h5py.Group):
+            _average_group([source[key] for source in sources], target.create_group(key), names)
+            continue
+        arrays = [np.asarray(source[key]) for source in sources]
+        shapes = {array.shape for array in arrays}
+        if len(shapes) > 1:
+            raise ValueError(f"{item.name} has different shapes {sorted(shapes)}: different models?")
+        if np.issubdtype(arrays[0].dtype, np.floating):
+            # Sum in float64 so the mean of N float32 files is exact to float32 precision.
+            mean = np.mean(np.stack(arrays).astype(np.float64), axis=0).astype(arrays[0].dtype)
+            target.create_dataset(key, data=mean)
+        else:
+            target.create_dataset(key, data=np.asarray(newest[key]))
+
+
+def average_checkpoints(directory: str | Path, steps: Sequence[int], output: str | Path) -> Path:
+    """Averages the periodic checkpoints of `steps` in `directory` into `output`.
+
+    Raises:
+        FileNotFoundError: a checkpoint of `steps` is missing.
+    """
+    paths = [checkpoint_path(directory, step) for step in steps]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoints to average are missing: {', '.join(missing)}")
+    return average_weight_files(paths, output)
+
+
+def average_last_checkpoints(directory: str | Path, last: int, output: str | Path) -> list[int]:
+    """Averages the newest `last` periodic checkpoints in `directory` into `output`.
+
+    Returns:
+        The steps of the checkpoints averaged (fewer than `last` if fewer exist).
+
+    Raises:
+        FileNotFoundError: `directory` has no periodic checkpoints.
+    """
+    found = list_checkpoints(directory)
+    if not found:
+        raise FileNotFoundError(f"{directory}: no ckpt-*.weights.h5")
+    chosen = found[-last:]
+    average_weight_files([path for _, path in chosen], output)
+    return [step for step, _ in chosen]

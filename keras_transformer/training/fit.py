@@ -1,0 +1,239 @@
+"""One training run's model and `model.fit` (the library behind `python -m keras_transformer.train`).
+
+Keras "epochs" here are fixed intervals of optimizer steps over an endless, seeded batch
+stream (see `keras_transformer.training.callbacks`), which is what makes mid-run resumption exact.
+With gradient accumulation (`--accumulate`, `--tokens-per-step`) Keras' steps are
+micro-batches, `accumulate` of them per optimizer step (`keras_transformer.training.accumulation`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from keras_transformer import run_directory
+from keras_transformer.cluster.workers import Cluster
+from keras_transformer.flags import DEFAULT_MAX_STEPS, StepBudget, UsageError
+from keras_transformer.training import run_data
+
+_LOG = logging.getLogger("keras_transformer")
+
+
+def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
+    """What config.json records. `identity` must match for a resume to be allowed."""
+    model = {"preset": args.preset, **dataclasses.asdict(model_config)}
+    identity = {
+        "data": args.data, "src": args.src, "tgt": args.tgt, "train_split": args.train_split,
+        "prepared": args.prepared, "tokenizer_sample": args.tokenizer_sample,
+        "model": model, "tokens_per_batch": args.tokens_per_batch,
+        "accumulate": args.accumulate, "tokens_per_step": args.tokens_per_step,
+        "max_length": args.max_length, "label_smoothing": args.label_smoothing,
+        "warmup_steps": args.warmup_steps, "lr_scale": args.lr_scale, "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every,
+        "validate_every": args.validate_every or args.checkpoint_every,
+    }
+    return {"identity": identity, "model": model, "arguments": vars(args).copy()}
+
+
+def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
+                prepared, strategy, cluster: Cluster, budget: StepBudget, out: Path,
+                home: Path, started: float) -> dict[str, Any]:
+    """Pipelines, model and `model.fit`; returns what `finish` reports.
+
+    `cluster` is the `TF_CONFIG` cluster `strategy` spans; `budget` spreads each optimizer
+    step over replicas and accumulated micro-batches; Keras steps are micro-batches, every other count (schedule, checkpoints, resume) is of
+    optimizer steps. `out` is the run directory (read for resuming), `home` where this
+    worker writes (`out` on the chief, a scratch folder on other workers), `started` when
+    the command started.
+    """
+    import keras
+    import tensorflow as tf
+
+    from keras_transformer.cluster.keras_patches import build_for_distributed_fit
+    from keras_transformer.cluster.workers import any_worker, check_same_settings
+    from keras_transformer.kernels import fused_kernels
+    from keras_transformer.model.transformer import build_transformer
+    from keras_transformer.training import callbacks as cb
+    from keras_transformer.training.loss_scaling import LossScaleOptimizer
+    from keras_transformer.training.losses import (
+        GlobalTokenCrossEntropy,
+        MaskedAccuracy,
+        Perplexity,
+    )
+    from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.precision import (
+        gpu_capabilities,
+        resolve_jit,
+        resolve_precision,
+    )
+    from pipelines.batching import make_batches, xla_bucket_boundaries
+
+    keras.utils.set_random_seed(args.seed)
+    gpus = len(tf.config.list_logical_devices("GPU"))
+    precision = resolve_precision(args.precision, gpu_capabilities())
+    jit = resolve_jit(args.jit_compile, gpus)
+    fused = not jit and fused_kernels() is not None  # XLA-compiled steps use TF ops
+    replicas, accumulate = strategy.num_replicas_in_sync, budget.accumulate
+    # XLA compiles one step per batch shape: coarser buckets, every batch padded to its
+    # bucket's full shape (pipelines.batching.xla_bucket_boundaries).
+    shapes = dict(bucket_boundaries=xla_bucket_boundaries(args.max_length),
+                  static_shapes=True) if jit else {}
+    if jit:
+        config["train_batch_shapes"] = len(prepared.static_shapes(
+            budget.micro_batch, args.max_length, bucket_boundaries=shapes["bucket_boundaries"]))
+        _LOG.info(f"XLA: the training batches come in {config['train_batch_shapes']} shapes (each "
+            "compiled once)")
+    tokenizer = prepared.tokenizer()
+    config.update(precision=precision, jit_compile=jit, replicas=replicas,
+                  step_budget={**dataclasses.asdict(budget),
+                               "tokens_per_step": budget.tokens_per_step},
+                  tokenizer_vocab_size=tokenizer.vocab_size,
+                  prepared={"directory": str(prepared.directory.resolve()),
+                            "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
+                            "pairs": prepared.pairs, "shards": prepared.num_shards})
+    check_same_settings({**config["identity"], **{key: config[key] for key in (
+        "precision", "jit_compile", "replicas", "step_budget")}}, cluster, args.join_timeout)
+    run_data.check_resumed_data(out, config)
+    run_directory.write_json_atomic(home / run_directory.CONFIG_FILE, config)
+
+    with strategy.scope():
+        model = build_transformer(**config["model"], dtype=precision)
+        optimizer = paper_adam(model.config.d_model, args.warmup_steps, args.lr_scale)
+        if precision == "mixed_float16":  # steps skipped on overflow still count as steps
+            optimizer = LossScaleOptimizer(optimizer, initial_scale=args.initial_loss_scale)
+        model.compile(
+            optimizer=optimizer,
+            loss=GlobalTokenCrossEntropy(args.label_smoothing),
+            metrics=[MaskedAccuracy(), Perplexity(), cb.TokenCount()],
+            jit_compile=jit,
+            accumulate_steps=accumulate,
+        )
+        if not model.optimizer.built:  # (accumulation builds it; building twice duplicates)
+            model.optimizer.build(model.trainable_variables)
+    # Resume: every worker restores the chief's backup (a shared filesystem is assumed).
+    backup_dir = out / run_directory.BACKUP_DIR
+    backup = backup_dir / "latest.weights.h5"
+    state: dict[str, Any] = {}
+    if backup.is_file():
+        model.load_weights(backup)
+        held = cb.global_step(model)
+        if (backup_dir / "state.json").is_file():
+            state = cb.read_backup_state(backup_dir, held) or {}
+            if not state:  # e.g. an optimizer whose variables changed
+                recorded = run_directory.read_json(backup_dir / "state.json").get("step")
+                raise UsageError(f"{backup} holds step {held}, {backup_dir / 'state.json'} "
+                                 f"says {recorded}: the backup does not match this run's "
+                                 "settings")
+    step = cb.global_step(model)
+
+    batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
+                    max_length=args.max_length, seed=args.seed, **shapes)
+    contexts: list[tf.distribute.InputContext] = []
+
+    def train_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        contexts.append(context)
+        # The stream is seeded and its shards' batch counts known, so a resumed run starts
+        # exactly where the interrupted one was, reading one shard (no replay).
+        per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+        return prepared.batches(tokens_per_batch=budget.global_micro_batch,
+                                max_length=args.max_length, seed=args.seed,
+                                input_context=context,
+                                skip_batches=step * accumulate * per_pipeline, **shapes)
+
+    train_data = strategy.distribute_datasets_from_function(train_batches)
+    context = contexts[0]
+    per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+    # Every worker must run the same number of validation steps (collectives), so all take
+    # the longest shard's count, padding the others from the (repeated) stream.
+    val_steps = max(
+        math.ceil(_count(make_batches(corpora["val"], shuffle=False, input_context=tf.distribute
+                                      .InputContext(context.num_input_pipelines, pipeline,
+                                                    context.num_replicas_in_sync), **batching))
+                  / per_pipeline)
+        for pipeline in range(context.num_input_pipelines)
+    )
+    # One pass (repeat=True would fill partial buckets from further passes), wrapped around
+    # only to give every worker the same number of batches.
+    val_data = strategy.distribute_datasets_from_function(
+        lambda ctx: make_batches(corpora["val"], shuffle=False, input_context=ctx, **batching)
+        .repeat().take(val_steps * per_pipeline))
+
+    if args.epochs:  # micro-batches of one replica per epoch, over replicas x accumulate
+        micro_batches = sum(len(ends) for ends in prepared.shard_batches(
+            budget.micro_batch, args.max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
+        max_steps = max(1, math.ceil(args.epochs * micro_batches / (replicas * accumulate)))
+    else:
+        max_steps = args.max_steps or DEFAULT_MAX_STEPS
+    validate_every = args.validate_every or args.checkpoint_every
+    interval = math.gcd(args.checkpoint_every, validate_every)
+    stopper = cb.StopAt(max_steps, args.max_minutes * 60 if args.max_minutes else None,
+                        elapsed_before=float(state.get("elapsed_seconds", 0.0)))
+    throughput = cb.ThroughputLogger()
+    checkpointer = cb.RunCheckpointer(
+        home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR, args.checkpoint_every,
+        keep=args.average_last, patience=args.patience, stopper=stopper, state=state)
+    (home / run_directory.LOG_DIR).mkdir(parents=True, exist_ok=True)
+    callbacks = [cb.FirstStepTimer(started, _LOG.info), stopper, throughput, checkpointer,
+                 cb.ProgressLog(stopper, _LOG.info),
+                 keras.callbacks.TerminateOnNaN(),
+                 keras.callbacks.CSVLogger(str(home / run_directory.LOG_DIR / "metrics.csv"),
+                                           append=True)]
+    if importlib.util.find_spec("tensorboard") is not None:
+        callbacks.append(cb.StepTensorBoard(str(home / run_directory.LOG_DIR)))
+    else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
+        _LOG.info("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
+    # Last: every stop is taken by all workers together, between optimizer updates.
+    agree = any_worker(strategy) or bool
+    callbacks.append(cb.AgreedStop(agree, stopper))
+    limit = f"{max_steps:,} steps" + (f" or {args.max_minutes:g} min" if args.max_minutes
+                                      else "")
+    _LOG.info(f"training {model.count_params():,} parameters ({args.preset} preset, vocabulary "
+              f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {budget.describe()}; "
+              f"{precision}, XLA {'on' if jit else 'off'}; " + (
+                  f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")
+              + f"; a line every {interval} steps")
+    build_for_distributed_fit(
+        model, next(iter(make_batches(corpora["val"], shuffle=False, **batching))))
+    # A run that already ended (but was killed while evaluating) is not trained further.
+    # (Agreed, as every stop: workers given different --max-minutes could disagree.)
+    done = agree(bool(step >= max_steps or state.get("stopped_early") or (
+        stopper.max_seconds is not None and stopper.elapsed_before >= stopper.max_seconds)))
+    if not done:
+        model.fit(
+            train_data, epochs=math.ceil(max_steps / interval), initial_epoch=step // interval,
+            steps_per_epoch=interval * accumulate, validation_data=val_data,
+            validation_freq=validate_every // interval, callbacks=callbacks,
+            # Keras' own "Epoch 3/42" lines only with --verbose: ProgressLog counts steps.
+            verbose=2 if args.verbose else 0, shuffle=False,
+        )
+    step = cb.global_step(model)
+    return {
+        "step": step, "diverged": checkpointer.diverged,
+        "reason": stopper.reason or state.get("stop_reason") or f"reached step {step}",
+        "elapsed": stopper.elapsed if not done else stopper.elapsed_before,
+        "tokens_per_sec": throughput.total_tokens / max(throughput.total_seconds, 1e-9),
+        "best_val_loss": checkpointer.best_val_loss
+        if math.isfinite(checkpointer.best_val_loss) else None,
+        "best_step": checkpointer.best_step, "replicas": replicas,
+        "workers": cluster.num_workers,
+        "precision": precision, "jit_compile": jit,
+        "fused_kernels": fused, **loss_scaling_state(model.optimizer),
+    }
+
+
+def loss_scaling_state(optimizer) -> dict[str, Any]:
+    """The loss scale and the updates it skipped (mixed_float16), else None for both."""
+    if not hasattr(optimizer, "skipped_updates"):
+        return {"loss_scale": None, "skipped_updates": None}
+    return {"loss_scale": float(optimizer.dynamic_scale.numpy()),
+            "skipped_updates": int(optimizer.skipped_updates.numpy())}
+
+
+def _count(dataset) -> int:
+    """Number of elements of a finite dataset."""
+    return int(dataset.reduce(0, lambda count, _: count + 1))

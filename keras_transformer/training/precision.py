@@ -1,0 +1,91 @@
+"""Choosing the numeric precision (dtype policy) and XLA compilation for training.
+
+`auto` picks mixed bfloat16 where bfloat16 is native: GPUs of compute capability 8.0 or
+more (A100, H100, RTX 30xx/40xx) and CPUs whose instruction set multiplies bfloat16
+(AVX512_BF16 or AMX; oneDNN then runs matmuls at about twice the float32 rate). Older GPUs
+get mixed float16 with dynamic loss scaling (`keras_transformer.training.loss_scaling`); anything
+else float32. Variables stay float32 under the mixed policies, and the model returns
+float32 logits, so the loss is always computed in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
+JIT_CHOICES = ("auto", "on", "off")
+
+# /proc/cpuinfo flags meaning "bfloat16 matmuls in hardware".
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The `flags` of the first CPU listed in `cpuinfo` (empty if unreadable, e.g. macOS)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True if the CPU has native bfloat16 dot products (AVX512_BF16 or AMX-BF16)."""
+    return bool(cpu_flags(cpuinfo) & set(_BF16_FLAGS))
+
+
+def gpu_capabilities() -> list[tuple[int, int]]:
+    """Compute capability (major, minor) of each visible GPU; (0, 0) where TF cannot tell."""
+    import tensorflow as tf
+
+    found = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        found.append(tuple(details.get("compute_capability") or (0, 0)))
+    return found
+
+
+BF16_GPU_CAPABILITY = (8, 0)  # Ampere: bfloat16 tensor cores
+
+
+def resolve_precision(choice: str, gpus: Sequence[tuple[int, int]] = (),
+                      cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The Keras dtype policy name for `--precision choice` on this machine.
+
+    Args:
+        choice: one of `PRECISIONS`.
+        gpus: compute capability of each GPU training will use (`gpu_capabilities()`).
+        cpuinfo: where the CPU flags are read (no GPU).
+
+    Returns:
+        "float32", "mixed_bfloat16" or "mixed_float16".
+    """
+    if choice not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {choice!r}.")
+    if choice != "auto":
+        return choice
+    if gpus:
+        native = all(tuple(capability) >= BF16_GPU_CAPABILITY for capability in gpus)
+        return "mixed_bfloat16" if native else "mixed_float16"
+    return "mixed_bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
+
+
+def resolve_jit(choice: str, num_gpus: int) -> bool:
+    """Whether to XLA-compile the train step for `--jit-compile choice`.
+
+    `auto`: on with GPUs, off on CPUs. On GPUs XLA fuses the elementwise chains (LayerNorm,
+    dropout, Adam) that would otherwise be many small kernels; the batches then come in a
+    bounded set of shapes (`pipelines.batching.xla_bucket_boundaries`), each compiled once.
+    On this project's 2-core AVX512-BF16 CPU the XLA step is slower (BENCHMARKS.md: XLA's
+    CPU matmuls do not reach oneDNN's bfloat16 kernels, and the fused C++ kernels are not
+    XLA ops), so CPUs stay without it; `on` forces it.
+    """
+    if choice not in JIT_CHOICES:
+        raise ValueError(f"jit_compile must be one of {JIT_CHOICES}, got {choice!r}.")
+    if choice == "auto":
+        return num_gpus > 0
+    return choice == "on"

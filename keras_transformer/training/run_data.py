@@ -1,0 +1,223 @@
+"""The data of a training run: its corpora and its prepared training data (`pipelines.prepared`).
+
+Library code of `python -m keras_transformer.train`: every function takes the parsed flags
+and raises `UsageError` (one line, exit status 2) for what the user must change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from keras_transformer import run_directory
+from keras_transformer.flags import PREPARE_WAIT_SECONDS, UsageError
+
+if TYPE_CHECKING:
+    from keras_transformer.cluster.workers import Cluster
+    from pipelines.corpora import CorpusScan, CorpusSplit
+    from pipelines.prepared import PreparedCorpus
+
+
+def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
+    """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects.
+
+    `CorpusError` becomes `UsageError`, except for a train split that is absent where the
+    data were prepared elsewhere (--prepared): its `UsageError` is kept as "train_error",
+    raised only if the data must be prepared.
+    """
+    from pipelines.corpora import CorpusError, load_corpus, open_corpus
+
+    corpora: dict[str, Any] = {"train": None}
+    try:
+        corpora["train"] = open_corpus(args.data, args.train_split, args.src, args.tgt,
+                                       data_dir=args.data_dir, manual_dir=args.manual_dir)
+    except CorpusError as error:
+        if not args.prepared:
+            raise UsageError(f"train data: {error}") from None
+        corpora["train_error"] = UsageError(f"train data: {error}")
+    splits = {"val": args.val_split}
+    if args.test_split.lower() != "none":
+        splits["test"] = args.test_split
+    for role, split in splits.items():
+        try:
+            corpora[role] = load_corpus(args.data, split, args.src, args.tgt,
+                                        data_dir=args.data_dir, manual_dir=args.manual_dir)
+        except CorpusError as error:
+            raise UsageError(f"{role} data: {error}") from None
+    return corpora
+
+
+def prepared_dir(args: argparse.Namespace) -> Path:
+    """Where the prepared training data live: --prepared, else <run>/prepared."""
+    return Path(args.prepared) if args.prepared else Path(args.out) / run_directory.PREPARED_DIR
+
+
+def check_prepared(args: argparse.Namespace, prepared) -> None:
+    """Refuses prepared data made with settings other than this run's.
+
+    Languages, vocabulary size and tokenizer sample must be equal; the run's --max-length
+    may be lower than the prepared one (longer pairs are then left out when batching).
+
+    Raises:
+        UsageError: naming each difference.
+    """
+    from pipelines.prepared import PreparedError
+
+    try:
+        prepared.check_settings({"src_lang": args.src, "tgt_lang": args.tgt,
+                                 "vocab_size": args.vocab_size,
+                                 "tokenizer_sample": args.tokenizer_sample})
+    except PreparedError as error:
+        raise UsageError(str(error)) from None
+    longest = prepared.settings["max_length"]
+    if args.max_length > longest:
+        raise UsageError(f"--max-length {args.max_length} is above the {longest} that "
+                         f"{prepared.directory} was prepared with; lower it, or prepare again")
+
+
+def find_prepared(args: argparse.Namespace, corpora: dict[str, Any],
+                  will_overwrite: bool) -> PreparedCorpus | None:
+    """The complete, matching prepared data of this run, or None if they must be made.
+
+    Raises:
+        UsageError: prepared data made with other settings, or from files changed since, or
+            none and no train split to prepare them from.
+    """
+    from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError
+
+    directory = prepared_dir(args)
+    inside_run = not args.prepared
+    if inside_run and will_overwrite:
+        return None  # deleted with the run directory
+    if not (directory / MANIFEST_FILE).is_file():
+        if directory.exists() and any(directory.iterdir()):
+            raise UsageError(f"--prepared {directory} exists but holds no prepared corpus "
+                             f"({MANIFEST_FILE} is missing); delete it or choose another")
+        if "train_error" in corpora:
+            raise corpora["train_error"]
+        return None
+    try:
+        prepared = PreparedCorpus.load(directory)
+        if corpora["train"] is not None:
+            prepared.check_source(corpora["train"])
+    except PreparedError as error:
+        raise UsageError(str(error)) from None
+    check_prepared(args, prepared)
+    return prepared
+
+
+def scan_training_text(args: argparse.Namespace, train_split: CorpusSplit,
+                       report: Callable[[str], None]) -> CorpusScan:
+    """The one validating pass over the training text (`pipelines.corpora.scan_corpus`)."""
+    from pipelines.corpora import CorpusError, scan_corpus
+
+    report(f"validating and sampling the training split of {args.data} ...")
+    try:
+        return scan_corpus(train_split, sample_pairs=args.tokenizer_sample, seed=args.seed)
+    except CorpusError as error:
+        raise UsageError(f"train data: {error}") from None
+
+
+def training_data(args: argparse.Namespace, train_split: CorpusSplit | None,
+                  prepared: PreparedCorpus | None, scan: CorpusScan | None, cluster: Cluster,
+                  report: Callable[[str], None]) -> PreparedCorpus:
+    """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`),
+    or, on other workers, read once the chief has it.
+
+    In a multi-worker run every worker waits at one barrier until the chief has the data
+    (up to PREPARE_WAIT_SECONDS); a worker lost meanwhile fails it at once.
+
+    Raises:
+        UsageError: the tokenizer cannot be trained, the chief's data are not visible on
+            this worker, or there are fewer shards than workers.
+        ClusterFailure: a worker was lost, or the chief took longer than the wait.
+    """
+    from keras_transformer.cluster.workers import wait_for_all
+    from pipelines.prepared import PreparedCorpus, PreparedError, prepare_corpus
+
+    directory = prepared_dir(args)
+    if prepared is None and cluster.is_chief:
+        report(f"preparing {scan.pairs:,} training pairs into {directory} (once) ...")
+        try:
+            prepared = prepare_corpus(
+                train_split, directory, vocab_size=args.vocab_size, max_length=args.max_length,
+                tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
+                min_shards=cluster.num_workers, seed=args.seed, scan=scan)
+        except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
+            raise UsageError(f"preparing {directory}: {error}") from None
+    if cluster.is_multi_worker:
+        if prepared is None:
+            report(f"waiting for the chief to prepare {directory} ...")
+        wait_for_all("prepared data", PREPARE_WAIT_SECONDS, cluster)
+    if prepared is None:
+        try:
+            prepared = PreparedCorpus.load(directory)
+        except PreparedError as error:
+            raise UsageError(f"{error}; the chief prepared it: is {directory} the same shared "
+                             "path on every machine (or a copy of it)?") from None
+        check_prepared(args, prepared)
+    if prepared.num_shards < cluster.num_workers:
+        raise UsageError(f"{directory} has {prepared.num_shards} shard(s) for "
+                         f"{cluster.num_workers} workers (each reads its own); prepare it with "
+                         f"--shards {cluster.num_workers} or more")
+    return prepared
+
+
+def copy_tokenizer(prepared: PreparedCorpus, home: Path) -> None:
+    """Puts the prepared tokenizer into the run directory (for translate/export), once.
+
+    Raises:
+        UsageError: the run directory already holds a different tokenizer.
+    """
+    from pipelines.tokenizer import SubwordTokenizer
+
+    tokenizer = prepared.tokenizer()
+    run_tokenizer = home / run_directory.TOKENIZER_DIR
+    if (run_tokenizer / "spm.model").is_file():
+        if SubwordTokenizer.load(run_tokenizer).model_proto != tokenizer.model_proto:
+            raise UsageError(f"{run_tokenizer} differs from {prepared.directory / 'tokenizer'}: "
+                             "this run was trained with another vocabulary; use its original "
+                             "--prepared")
+    else:
+        tokenizer.save(run_tokenizer)
+
+
+def check_resumed_data(out: Path, config: dict[str, Any]) -> None:
+    """Refuses to resume a run on other prepared data than it was trained on.
+
+    Compares `config`'s "prepared" entry (corpus fingerprint and shard count: together
+    they fix the batch stream) with what the run directory's config.json recorded, if it
+    recorded one; a changed replica count only changes the batches, and is reported.
+
+    Raises:
+        UsageError: the data differ.
+    """
+    path = out / run_directory.CONFIG_FILE
+    recorded = run_directory.read_json(path) if path.is_file() else {}
+    before = recorded.get("prepared")
+    if before is None:
+        return  # a fresh run
+    now = config["prepared"]
+    for key in ("corpus_fingerprint", "shards"):
+        if before.get(key) != now[key]:
+            raise UsageError(f"{out} was trained on prepared data with {key} {before.get(key)!r}, "
+                             f"{now['directory']} has {now[key]!r}: resume with the original "
+                             "--prepared data, or start another run")
+    if "step_budget" not in recorded and recorded.get("replicas", 1) > 1:
+        raise UsageError(f"{out} was started on {recorded['replicas']} replicas when "
+                         "--tokens-per-batch was a global budget (it is now per replica): its "
+                         "steps cannot be continued as they were; start it again with "
+                         "--overwrite, or another --out")
+    for key, flag in (("precision", "--precision"), ("jit_compile", "--jit-compile")):
+        # Another precision changes the optimizer's variables (loss scaling), XLA the
+        # batches: neither run could continue where the other stopped.
+        if None not in (recorded.get(key), config.get(key)) and recorded[key] != config[key]:
+            value = recorded[key] if key == "precision" else ("on" if recorded[key] else "off")
+            raise UsageError(f"{out} was trained with {key} {recorded[key]!r}, this machine "
+                             f"would use {config[key]!r}: resume with {flag} {value}")
+    if recorded.get("replicas") not in (None, config["replicas"]):
+        print(f"note: resuming with {config['replicas']} replica(s) instead of "
+              f"{recorded['replicas']}: the per-replica batches from here on differ from an "
+              "uninterrupted run's", flush=True)

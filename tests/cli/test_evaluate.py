@@ -1,0 +1,108 @@
+"""Scoring and the evaluate command (keras_transformer.evaluate)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sacrebleu
+
+from keras_transformer import run_directory
+from keras_transformer.decoding.scoring import score_translations as score
+from keras_transformer.decoding.search import beam_search, encode_texts
+from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.evaluate import main
+from tests.serving.test_saved_model import shared_artifacts
+
+SOURCES = ["Ein Hund läuft im Park.", "Zwei Kinder spielen.", "Eine Frau.",
+           "Ein Mann sitzt auf einem roten Fahrrad.", "Hund."]
+REFERENCES = ["A dog runs in the park.", "Two children play.", "A woman.",
+              "A man sits on a red bicycle.", "Dog."]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return shared_artifacts(tmp_path_factory)[0]
+
+
+@pytest.fixture(scope="module")
+def loaded_run(run_dir):
+    return run_directory.load_run(run_dir)
+
+
+def test_score_matches_sacrebleu_and_reports_signatures():
+    hypotheses = ["A dog runs in a park.", "Two kids play.", "A woman.", "A man on a bike.",
+                  "Dog."]
+    result = score(hypotheses, REFERENCES)
+    expected = sacrebleu.corpus_bleu(hypotheses, [REFERENCES]).score
+    assert result["bleu"] == pytest.approx(expected)
+    assert result["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [REFERENCES]).score)
+    assert "tok:13a" in result["bleu_signature"] and "case:mixed" in result["bleu_signature"]
+    assert result["chrf_signature"].startswith("nrefs:1")
+    assert score(REFERENCES, REFERENCES)["bleu"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="references"):
+        score(hypotheses, REFERENCES[:2])
+
+
+def test_translate_texts_keeps_order_and_matches_batch_decoding(loaded_run):
+    model, tokenizer = loaded_run
+    done = []
+    outputs = translate_texts(model, tokenizer, SOURCES, beam_size=2, batch_size=2,
+                              extra_length=4, progress=done.append)
+    assert done == [2, 4, 5]
+    ids, _ = beam_search(model, encode_texts(tokenizer, SOURCES).to_tensor(), beam_size=2,
+                         extra_length=4)
+    assert outputs == [t.decode() for t in tokenizer.detokenize(ids).numpy()]
+    greedy = translate_texts(model, tokenizer, SOURCES[::-1], beam_size=1, extra_length=4)
+    assert len(greedy) == len(SOURCES) and translate_texts(model, tokenizer, []) == []
+
+
+def test_cli_scores_files_as_json(run_dir, tmp_path, capsys):
+    src, ref = tmp_path / "test.de", tmp_path / "test.en"
+    src.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(REFERENCES) + "\n", encoding="utf-8")
+    hypotheses = tmp_path / "hyp.en"
+    code = main(["--model", str(run_dir), "--src-file", str(src), "--ref-file", str(ref),
+                 "--beam", "1", "--json", "--output", str(hypotheses)])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sentences"] == 5 and "tok:13a" in result["bleu_signature"]
+    lines = hypotheses.read_text(encoding="utf-8").splitlines()
+    assert result["bleu"] == pytest.approx(score(lines, REFERENCES)["bleu"])
+
+
+def test_cli_reads_a_corpus_folder_and_a_saved_model(tmp_path_factory, tmp_path, capsys):
+    _, export = shared_artifacts(tmp_path_factory)
+    (tmp_path / "test_2016_flickr.de").write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    (tmp_path / "test_2016_flickr.en").write_text("\n".join(REFERENCES) + "\n",
+                                                  encoding="utf-8")
+    code = main(["--model", str(export.parent), "--data", str(tmp_path), "--src", "de",
+                 "--tgt", "en", "--beam", "2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("BLEU = ") and "chrF = " in out and "tok:13a" in out
+
+
+@pytest.mark.parametrize("problem", ["missing_file", "mismatch", "not_a_model"])
+def test_cli_bad_input_is_one_clear_line(run_dir, tmp_path, capsys, problem):
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("a\nb\nc\n", encoding="utf-8")
+    ref.write_text("a\nb\n" if problem == "mismatch" else "a\nb\nc\n", encoding="utf-8")
+    model = tmp_path if problem == "not_a_model" else run_dir
+    if problem == "missing_file":
+        src = tmp_path / "nope.txt"
+    code = main(["--model", str(model), "--src-file", str(src), "--ref-file", str(ref)])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("evaluate: error: ")
+    expected = {"missing_file": "nope.txt", "mismatch": "has 3 lines but",
+                "not_a_model": "not a model directory"}[problem]
+    assert expected in err
+
+
+def test_cli_usage_errors_exit_non_zero(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "x", "--src-file", "only-one.txt"])
+    assert exit_info.value.code == 2
+    assert "--ref-file" in capsys.readouterr().err

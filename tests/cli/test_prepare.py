@@ -1,0 +1,113 @@
+"""`python -m keras_transformer.prepare` and `train --prepared`: prepare once, train from it
+(as on another machine), refuse mismatched or damaged preparations, validate before creating."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from keras_transformer.prepare import main as prepare_main
+from keras_transformer.train import main as train_main
+from tests.cli.test_train import TINY, write_toy_corpus
+
+PREPARE = ["--src", "xx", "--tgt", "yy", "--vocab-size", "300", "--max-length", "32"]
+
+
+def test_prepare_then_train_from_the_prepared_directory_elsewhere(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=200)
+    prepared = tmp_path / "machine-a" / "prepared"
+    assert prepare_main(["--data", str(data), *PREPARE, "--shard-pairs", "64",
+                         "--out", str(prepared)]) == 0
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    kept = manifest["pairs_kept"]
+    assert 150 < kept <= 200 and manifest["pairs_total"] == 200  # some exceed --max-length 32
+    assert f"prepared {kept} of 200 pairs (4 shards" in capsys.readouterr().out
+    assert sum(shard["pairs"] for shard in manifest["shards"]) == kept
+
+    # "Another machine": the prepared directory copied elsewhere, the training text gone.
+    copied = tmp_path / "machine-b" / "prepared"
+    shutil.copytree(prepared, copied)
+    (data / "train.xx").unlink()
+    (data / "train.yy").unlink()
+    out = tmp_path / "machine-b" / "run"
+    argv = ["--data", str(data), *TINY, "--prepared", str(copied), "--max-steps", "4",
+            "--checkpoint-every", "2", "--test-split", "none", "--no-export",
+            "--out", str(out)]
+    assert train_main(argv) == 0, capsys.readouterr().err
+    config = json.loads((out / "config.json").read_text())
+    assert config["prepared"]["corpus_fingerprint"] == manifest["corpus_fingerprint"]
+    assert config["prepared"]["shards"] == 4
+    assert not (out / "prepared").exists()  # nothing prepared again
+    assert (out / "tokenizer" / "spm.model").read_bytes() == (
+        copied / "tokenizer" / "spm.model").read_bytes()
+    assert json.loads((out / "results.json").read_text())["steps"] == 4
+
+
+def test_train_refuses_a_preparation_made_with_other_settings(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=60)
+    prepared = tmp_path / "prepared"
+    assert prepare_main(["--data", str(data), *PREPARE, "--out", str(prepared)]) == 0
+    out = tmp_path / "run"
+    argv = ["--data", str(data), *TINY, "--vocab-size", "320", "--prepared", str(prepared),
+            "--out", str(out)]
+    assert train_main(argv) == 2
+    error = capsys.readouterr().err
+    assert "vocab_size: prepared with 300, wanted 320" in error and len(error.splitlines()) == 1
+    assert not out.exists()
+
+    # A corpus file changed since the preparation is noticed without reading it.
+    with open(data / "train.xx", "a") as handle:
+        handle.write("ba ba\n")
+    with open(data / "train.yy", "a") as handle:
+        handle.write("ka ka\n")
+    assert train_main(["--data", str(data), *TINY, "--prepared", str(prepared),
+                       "--out", str(out)]) == 2
+    assert "changed since" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_damaged_preparation_is_refused(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=60)
+    prepared = tmp_path / "prepared"
+    assert prepare_main(["--data", str(data), *PREPARE, "--out", str(prepared)]) == 0
+    shard = sorted(prepared.glob("*.ids"))[0]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    out = tmp_path / "run"
+    assert train_main(["--data", str(data), *TINY, "--prepared", str(prepared),
+                       "--out", str(out)]) == 2
+    assert "damaged" in capsys.readouterr().err and not out.exists()
+    # A folder that holds no manifest (e.g. a user's own files) is not prepared into.
+    (prepared / "manifest.json").unlink()
+    assert train_main(["--data", str(data), *TINY, "--prepared", str(prepared),
+                       "--out", str(out)]) == 2
+    assert "holds no prepared corpus" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("line", [2, 57])
+def test_a_bad_training_line_fails_before_anything_exists(tmp_path, capsys, line):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=60)
+    lines = (data / "train.yy").read_text().splitlines()
+    lines[line - 1] = "   "
+    (data / "train.yy").write_text("\n".join(lines) + "\n")
+    out, prepared = tmp_path / "run", tmp_path / "prepared"
+    assert train_main(["--data", str(data), *TINY, "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert f"train.yy: line {line} is empty" in error and len(error.splitlines()) == 1
+    assert not out.exists()
+    assert prepare_main(["--data", str(data), *PREPARE, "--out", str(prepared)]) == 2
+    assert f"train.yy: line {line} is empty" in capsys.readouterr().err
+    assert not prepared.exists() and list(tmp_path.glob(".prepared*")) == []
+
+
+def test_prepare_refuses_an_existing_directory_and_bad_flags(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=30)
+    out = tmp_path / "prepared"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    assert prepare_main(["--data", str(data), *PREPARE, "--out", str(out)]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert (out / "mine.txt").read_text() == "keep me"
+    assert prepare_main(["--data", str(data), "--src", "xx", "--tgt", "xx",
+                         "--out", str(tmp_path / "p2")]) == 2
+    assert "both 'xx'" in capsys.readouterr().err and not (tmp_path / "p2").exists()

@@ -1,0 +1,103 @@
+"""The translate command (keras_transformer.translate)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from keras_transformer import run_directory
+from keras_transformer.decoding.translator import ModelError, load_translator, translate_texts
+from keras_transformer.logs import is_native_log_line
+from keras_transformer.translate import main
+from tests.cli.test_train import cli_env
+from tests.serving.test_saved_model import shared_artifacts
+
+LINES = ["Ein Hund läuft im Park.", "", "Zwei Kinder spielen mit einem Ball."]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """(run directory, saved_models/<name> base holding versions 1 and 2)."""
+    run, export = shared_artifacts(tmp_path_factory)
+    base = tmp_path_factory.mktemp("served") / "demo"
+    shutil.copytree(export, base / "1")
+    shutil.copytree(export, base / "2")
+    (base / ".tmp-export-1-x").mkdir()  # an unfinished export is not a version
+    return run, base
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_stdin_to_stdout_in_a_subprocess_with_tensorflows_logs_only_if_verbose(
+        paths, tmp_path, verbose):
+    run, _ = paths
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_transformer.translate", "--model", str(run),
+         "--beam", "1", "--batch-size", "2", *(["--verbose"] if verbose else [])],
+        input="\n".join(LINES) + "\n", capture_output=True, text=True, env=cli_env(),
+        cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    native = [line for line in result.stderr.splitlines()
+              if is_native_log_line(line.encode())]
+    # TensorFlow logs at least "oneDNN custom operations are on" when it loads.
+    assert bool(native) == verbose, result.stderr[-3000:]
+    model, tokenizer = run_directory.load_run(run)
+    expected = translate_texts(model, tokenizer, LINES, beam_size=1)
+    assert result.stdout.splitlines() == [" ".join(t.splitlines()) for t in expected]
+    assert "sentences" not in result.stderr  # no progress bar for stdin
+
+
+def test_saved_models_base_uses_the_highest_version(paths, tmp_path, capfd):
+    _, base = paths
+    assert load_translator(base).path == base / "2"
+    source = tmp_path / "input.txt"
+    source.write_bytes("\n".join(LINES).encode() + b"\n\xff\xfe broken\r\n")
+    output = tmp_path / "out.txt"
+    assert main(["--model", str(base), "--input", str(source), "--output", str(output),
+                 "--batch-size", "2"]) == 0
+    lines = output.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == len(LINES) + 1
+    served = tf.saved_model.load(str(base / "2")).signatures["translate"](
+        inputs=tf.constant(LINES), beam_size=tf.constant(4), alpha=tf.constant(0.6))
+    assert lines[:3] == [t.decode() for t in served["outputs"].numpy()]
+    assert "4/4 sentences" in capfd.readouterr().err  # the progress bar
+
+
+def test_plot_attention_flag_writes_pngs(paths, tmp_path, capfd):
+    run, _ = paths
+    source = tmp_path / "input.txt"
+    source.write_text("Ein Hund.\n", encoding="utf-8")
+    assert main(["--model", str(run), "--input", str(source), "--beam", "1",
+                 "--plot-attention", str(tmp_path / "plots")]) == 0
+    pngs = sorted((tmp_path / "plots" / "line_1").glob("*.png"))
+    assert [p.name for p in pngs] == ["attention_layer_1.png", "attention_layer_2.png"]
+    assert len(capfd.readouterr().out.splitlines()) == 1
+
+
+@pytest.mark.parametrize("problem", ["no_dir", "not_a_model", "no_input", "plot_saved_model"])
+def test_bad_input_is_one_clear_line(paths, tmp_path, capfd, problem):
+    run, base = paths
+    source = tmp_path / "input.txt"
+    source.write_text("Ein Hund.\n", encoding="utf-8")
+    args = {
+        "no_dir": ["--model", str(tmp_path / "missing"), "--input", str(source)],
+        "not_a_model": ["--model", str(tmp_path), "--input", str(source)],
+        "no_input": ["--model", str(run), "--input", str(tmp_path / "missing.txt")],
+        "plot_saved_model": ["--model", str(base), "--input", str(source),
+                             "--plot-attention", str(tmp_path / "plots")],
+    }[problem]
+    assert main(args) == 1
+    err = capfd.readouterr().err
+    # Only our line (sentencepiece's native code may log an INFO line when a model loads).
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("translate: error: ")
+    assert "Traceback" not in err
+
+
+def test_load_translator_rejects_an_empty_folder(tmp_path):
+    with pytest.raises(ModelError, match="not a model directory"):
+        load_translator(tmp_path)

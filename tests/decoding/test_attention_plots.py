@@ -1,0 +1,48 @@
+"""Attention heat maps (keras_transformer.decoding.attention_plots)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from keras_transformer import run_directory
+from keras_transformer.decoding.attention_plots import attention_weights, plot_attention
+from tests.serving.test_saved_model import shared_artifacts
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def loaded_run(tmp_path_factory):
+    return run_directory.load_run(shared_artifacts(tmp_path_factory)[0])
+
+
+def test_attention_weights_have_one_row_per_output_token(loaded_run):
+    model, tokenizer = loaded_run
+    source, output, weights = attention_weights(model, tokenizer, "Ein Hund läuft.",
+                                                beam_size=2)
+    assert source[-1] == "</s>"
+    assert weights.shape == (2, 4, len(output), len(source))
+    np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-5)
+
+
+def test_plot_attention_writes_valid_pngs(loaded_run, tmp_path):
+    model, tokenizer = loaded_run
+    paths = plot_attention(model, tokenizer, "Zwei Kinder 🙂 spielen 漢字.", tmp_path / "out",
+                           beam_size=2)
+    assert [p.name for p in paths] == ["attention_layer_1.png", "attention_layer_2.png"]
+    for path in paths:
+        data = path.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_missing_matplotlib_is_a_clear_error(loaded_run, tmp_path, monkeypatch):
+    model, tokenizer = loaded_run
+    # A None entry makes importing that module fail, even if it was imported before.
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    # From the clone: the index's `keras-transformer` is another project.
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[plots\]' \(from the clone\)"):
+        plot_attention(model, tokenizer, "Ein Hund.", tmp_path)

@@ -1,0 +1,113 @@
+"""Export to CTranslate2 (`keras_transformer.serving.ctranslate2`): the converted model gives
+the same per-token log-probabilities as ours, and the export CLI writes a loadable model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ctranslate2
+import keras
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from keras_transformer import run_directory
+from keras_transformer.export import main as export_main
+from keras_transformer.model.transformer import build_transformer
+from keras_transformer.serving.ctranslate2 import (
+    export_ctranslate2,
+    transformer_spec,
+    translate_with_ctranslate2,
+)
+from pipelines.constants import BOS_ID, EOS_ID
+from pipelines.tokenizer import train_tokenizer
+from tests.cli.test_train import write_toy_corpus
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A run directory: a random `tiny` model (post-norm, tied embeddings) and a tokenizer."""
+    folder = tmp_path_factory.mktemp("ct2")
+    corpus = write_toy_corpus(folder / "corpus")
+    texts = [line for lang in ("xx", "yy")
+             for line in (corpus / f"train.{lang}").read_text().splitlines()]
+    tokenizer = train_tokenizer(texts, folder / "run" / run_directory.TOKENIZER_DIR, vocab_size=300)
+    keras.utils.set_random_seed(0)
+    model = build_transformer("tiny", vocab_size=tokenizer.vocab_size)
+    model.save(folder / "run" / run_directory.MODEL_FILE)
+    return folder / "run"
+
+
+def our_log_probs(model, source_ids: list[int], target_ids: list[int]) -> np.ndarray:
+    """log p(target token t | source, target < t) of our model, EOS included."""
+    source = np.array([source_ids + [EOS_ID]], "int32")
+    target = np.array([[BOS_ID] + target_ids], "int32")
+    logits = model({"source": source, "target": target}, training=False)
+    log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))[0]
+    return log_probs[np.arange(len(target_ids) + 1), target_ids + [EOS_ID]]
+
+
+@pytest.mark.parametrize("cli", [False, True])
+def test_ctranslate2_scores_every_token_as_our_model(run, tmp_path, cli):
+    model, tokenizer = run_directory.load_run(run)
+    out = tmp_path / "ct2"
+    if cli:
+        assert export_main(["--model", str(run), "--format", "ctranslate2",
+                            "--export-base", str(out)]) == 0
+    else:
+        export_ctranslate2(model, tokenizer, out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.bin", "sentencepiece.model", "shared_vocabulary.json"]
+    pieces = spm.SentencePieceProcessor(model_file=str(out / "sentencepiece.model"))
+    translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    sources = ["bada kemo lira", "dusa", "pemo kisa bada lira mudo tera"]
+    targets = ["kisax pora", "mudax lirax dosax", "a"]
+    scored = translator.score_batch([pieces.encode(s, out_type=str) for s in sources],
+                                    [pieces.encode(t, out_type=str) for t in targets])
+    for source, target, result in zip(sources, targets, scored, strict=True):
+        ours = our_log_probs(model, pieces.encode(source), pieces.encode(target))
+        # float32 in both, different kernels: round-off only.
+        np.testing.assert_allclose(result.log_probs, ours, atol=2e-4)
+
+
+def test_export_refuses_an_existing_directory_and_pre_norm_models(run, tmp_path):
+    model, tokenizer = run_directory.load_run(run)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="exists"):
+        export_ctranslate2(model, tokenizer, tmp_path / "taken")
+    assert export_main(["--model", str(run), "--format", "ctranslate2",
+                        "--export-base", str(tmp_path / "taken")]) == 1
+    pre_norm = build_transformer("tiny", vocab_size=tokenizer.vocab_size, pre_norm=True)
+    with pytest.raises(ValueError, match="only post-norm"):
+        transformer_spec(pre_norm, tokenizer)
+    assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written
+
+
+class FixedTranslator:
+    """Returns fixed hypotheses and scores, and records what it was asked."""
+
+    def __init__(self, hypotheses, scores):
+        self.result = type("Result", (), {"hypotheses": hypotheses, "scores": scores})
+        self.asked = {}
+
+    def translate_batch(self, pieces, **options):
+        self.asked = {"pieces": pieces, **options}
+        return [self.result for _ in pieces]
+
+
+def test_translate_ranks_beam_hypotheses_by_our_length_penalty(run):
+    pieces = spm.SentencePieceProcessor(model_proto=run_directory.load_run(run)[1].model_proto)
+    short = pieces.encode("kisax", out_type=str)
+    long = pieces.encode("kisax pora mudax lirax dosax kisax", out_type=str)
+    penalty = [((5 + len(h) + 1) / 6) for h in (short, long)]  # alpha 1, EOS counted
+    # The long hypothesis is worse summed, better per GNMT-normalised score (0.9x the short's).
+    scores = [-2.0, -2.0 / penalty[0] * penalty[1] * 0.9]
+    assert scores[1] < scores[0]
+    translator = FixedTranslator([short, long], scores)
+    best = translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=1.0)
+    assert best == [pieces.decode(long)]
+    assert translator.asked["num_hypotheses"] == 4 and translator.asked["patience"] == 2
+    assert translator.asked["max_decoding_length"] == len(pieces.encode("x")) + 1 + 50
+    # Without a length penalty (alpha 0) the higher summed score wins.
+    best = translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=0.0)
+    assert best == [pieces.decode(short)]
