@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_transformer import run_directory
-from keras_transformer.logs import add_verbose_flag
+from keras_transformer.flags import add_verbose_flag
 from keras_transformer.training.checkpoints import average_last_checkpoints
 
 

@@ -20,12 +20,9 @@ from pathlib import Path
 from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
-from keras_transformer.logs import add_verbose_flag
+from keras_transformer.errors import UsageError
+from keras_transformer.flags import add_verbose_flag
 from keras_transformer.progress import ProgressBar
-
-
-class UsageError(Exception):
-    """A bad command-line input: printed as one line, exit status 1."""
 
 
 def _read_pair(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -18,7 +18,7 @@ from keras_transformer.decoding.search import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
 )
-from keras_transformer.logs import add_verbose_flag
+from keras_transformer.flags import add_verbose_flag
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -114,13 +114,6 @@ class _NativeLogFilter:
         self.reader.join(timeout=5)
 
 
-def add_verbose_flag(parser) -> None:
-    """`--verbose` for a command-line tool; `start_cli_logging` reads it from the arguments."""
-    parser.add_argument("--verbose", action="store_true",
-                        help="also show TensorFlow's own C++ logs (hidden by default, unless "
-                        "you set TF_CPP_MIN_LOG_LEVEL yourself)")
-
-
 _active: list[_NativeLogFilter] = []
 
 

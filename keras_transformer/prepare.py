@@ -5,6 +5,9 @@ vocabulary on a seeded sample, and tokenizes every pair into shards (`pipelines.
 `python -m keras_transformer.train --prepared DIR` then trains from DIR without reading the
 text again, on this machine or any other that can read DIR. A bad corpus or flag fails with
 one line and exit status 2 before DIR exists; an interrupted preparation leaves no DIR.
+
+The corpus flags are `DataConfig`'s (`keras_transformer.training.config.PREPARE_FIELDS`),
+generated as `train`'s are, so the two commands take them alike.
 """
 
 from __future__ import annotations
@@ -14,49 +17,57 @@ import sys
 from collections.abc import Sequence
 
 from keras_transformer.flags import (
-    HelpFormatter,
-    add_data_flags,
+    add_config_flags,
+    add_recipe_flag,
+    add_verbose_flag,
+    given_flags,
     positive_int,
-    validate_data_flags,
 )
-from keras_transformer.logs import add_verbose_flag
-from keras_transformer.training.recipes import add_recipe_flag, parse_with_recipe
+from keras_transformer.training.config import PREPARE_FIELDS, DataConfig
+from keras_transformer.training.recipes import RECIPES
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m keras_transformer.prepare`."""
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m keras_transformer.prepare",
         description="Prepare a training split once (tokenizer + token shards) for "
-        "`python -m keras_transformer.train --prepared OUT`.",
-        formatter_class=HelpFormatter,
-    )
-    add_recipe_flag(p)
-    add_data_flags(p)
-    p.add_argument("--shards", type=positive_int, default=1,
-                   help="at least this many shards: the number of workers that will train")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the sample, the vocabulary and the shard assignment")
-    p.add_argument("--out", required=True, help="directory to create (must not exist)")
-    add_verbose_flag(p)
-    return p
+        "`python -m keras_transformer.train --prepared OUT`.")
+    add_recipe_flag(parser)
+    add_config_flags(parser, DataConfig, only=PREPARE_FIELDS)
+    parser.add_argument("--shards", type=positive_int, default=1,
+                        help="at least this many shards: the number of workers that will train")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the sample, the vocabulary and the shard assignment")
+    parser.add_argument("--out", required=True, help="directory to create (must not exist)")
+    add_verbose_flag(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[DataConfig, argparse.Namespace]:
+    """The corpus settings (a `--recipe`'s values under the flags given) and the rest."""
+    namespace = build_parser().parse_args(argv)
+    given = given_flags(namespace, exclude=("recipe", "shards", "seed", "out", "verbose"))
+    recipe = RECIPES.get(namespace.recipe, {})
+    data = DataConfig(**{**{k: v for k, v in recipe.items() if k in PREPARE_FIELDS}, **given})
+    return data, namespace
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (2: bad flags or corpus, nothing created)."""
-    args = parse_with_recipe(build_parser(), argv)
+    data, args = parse_args(argv)
     from keras_transformer.logs import show_project_logs
     from pipelines.corpora import open_corpus
     from pipelines.prepared import prepare_corpus
 
     show_project_logs()
     try:
-        validate_data_flags(args)
-        split = open_corpus(args.data, args.train_split, args.src, args.tgt,
-                            data_dir=args.data_dir, manual_dir=args.manual_dir)
+        data.check()
+        split = open_corpus(data.data, data.train_split, data.src, data.tgt,
+                            data_dir=data.data_dir, manual_dir=data.manual_dir)
         prepared = prepare_corpus(
-            split, args.out, vocab_size=args.vocab_size, max_length=args.max_length,
-            tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
+            split, args.out, vocab_size=data.vocab_size, max_length=data.max_length,
+            tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
             min_shards=args.shards, seed=args.seed)
     except ValueError as error:  # UsageError, CorpusError, PreparedError, a vocabulary too large
         print(f"error: {error}", file=sys.stderr)

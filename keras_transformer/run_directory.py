@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from keras_transformer.errors import UsageError
+
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 PREPARED_DIR = "prepared"
@@ -74,7 +76,7 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-class RunDirError(ValueError):
+class RunDirError(UsageError):
     """`--out` cannot be used: not a run directory, or a run made with other settings."""
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
-from keras_transformer.logs import add_verbose_flag
+from keras_transformer.flags import add_verbose_flag
 from keras_transformer.progress import ProgressBar
 
 

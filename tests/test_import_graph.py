@@ -1,6 +1,8 @@
 """The shape of the code: no import cycles, nothing imports a command-line module, and data
 flows one way (`pipelines` never imports `keras_transformer`). Every import counts, including
-those inside functions, which are often how a cycle hides."""
+those inside functions, which are often how a cycle hides. And the library apart from its
+command lines: only they parse argv; the special ids and `UsageError` are defined once; the
+model holds the architecture, training the training."""
 
 from __future__ import annotations
 
@@ -8,6 +10,11 @@ import ast
 from pathlib import Path
 
 from tests.cli.test_train import REPO
+
+# The `python -m keras_transformer.<command>` tools and the flag generator they share: the
+# only modules that may parse a command line.
+COMMAND_LINE = {f"keras_transformer.{name}" for name in (
+    "train", "prepare", "translate", "evaluate", "export", "averaging", "flags")}
 
 PACKAGES = ("keras_transformer", "pipelines")
 
@@ -97,7 +104,7 @@ def test_nothing_imports_a_command_line_module():
             "keras_transformer.evaluate", "keras_transformer.export",
             "keras_transformer.prepare", "keras_transformer.averaging"} <= commands
     importers = {f"{module} imports {command}" for module, imports in import_graph().items()
-                 for command in imports & commands}
+                 if module not in COMMAND_LINE for command in imports & COMMAND_LINE}
     assert not importers
 
 
@@ -121,3 +128,63 @@ def test_every_public_name_resolves_and_the_readme_uses_only_public_names():
     assert "from keras_transformer" not in python, "README examples import a private module"
     used = set(re.findall(r"\bkt\.(\w+)", python))
     assert used and used <= set(keras_transformer.__all__), used - set(keras_transformer.__all__)
+
+
+def test_only_the_command_lines_parse_argv():
+    """No library module imports argparse, and no function outside the command lines takes
+    an `argparse.Namespace` (the library takes typed configs and plain arguments)."""
+    assert command_modules() <= COMMAND_LINE
+    offenders = []
+    for name, tree in _modules().items():
+        if name in COMMAND_LINE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                           else [node.module or ""])
+                offenders += [f"{name} imports argparse" for module in modules
+                              if module.split(".")[0] == "argparse"]
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for arg in [*node.args.args, *node.args.kwonlyargs]:
+                    if arg.annotation is not None and "Namespace" in ast.unparse(arg.annotation):
+                        offenders.append(f"{name}.{node.name}({arg.arg}: Namespace)")
+    assert not offenders
+
+
+def _assigned_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+            elements = target.elts if isinstance(target, ast.Tuple) else [target]
+            names |= {element.id for element in elements if isinstance(element, ast.Name)}
+    return names
+
+
+def test_the_special_ids_and_usage_error_are_defined_once():
+    definitions: dict[str, list[str]] = {}
+    for name, tree in _modules().items():
+        for symbol in _assigned_names(tree) & {"PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"}:
+            definitions.setdefault(symbol, []).append(name)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == "UsageError":
+                definitions.setdefault("UsageError", []).append(name)
+    assert definitions == {"PAD_ID": ["pipelines.constants"], "UNK_ID": ["pipelines.constants"],
+                           "BOS_ID": ["pipelines.constants"], "EOS_ID": ["pipelines.constants"],
+                           "UsageError": ["keras_transformer.errors"]}
+
+
+def test_the_model_holds_the_architecture_and_training_holds_training():
+    """`Transformer` overrides none of Keras' training methods (the trainer subclass in
+    `keras_transformer.training` does), and the model package imports nothing of training."""
+    tree = _modules()["keras_transformer.model.transformer"]
+    transformer = next(node for node in tree.body
+                       if isinstance(node, ast.ClassDef) and node.name == "Transformer")
+    methods = {node.name for node in transformer.body if isinstance(node, ast.FunctionDef)}
+    assert not methods & {"compile", "fit", "train_step", "make_train_function",
+                          "load_weights", "compile_from_config", "get_compile_config"}
+    graph = import_graph()
+    assert not {module: imports for module, imports in graph.items()
+                if module.startswith(("keras_transformer.model", "keras_transformer.layers"))
+                and any(target.startswith("keras_transformer.training") for target in imports)}

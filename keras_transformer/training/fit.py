@@ -1,4 +1,4 @@
-"""One training run's model and `model.fit` (the library behind `python -m keras_transformer.train`).
+"""One training run's model and `model.fit` (5. Training), the middle of `run_training`.
 
 Keras "epochs" here are fixed intervals of optimizer steps over an endless, seeded batch
 stream (see `keras_transformer.training.callbacks`), which is what makes mid-run resumption exact.
@@ -8,7 +8,6 @@ micro-batches, `accumulate` of them per optimizer step (`keras_transformer.train
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import logging
@@ -16,99 +15,82 @@ import math
 from pathlib import Path
 from typing import Any
 
+import keras
+import tensorflow as tf
+
 from keras_transformer import run_directory
-from keras_transformer.cluster.workers import Cluster
-from keras_transformer.flags import DEFAULT_MAX_STEPS, StepBudget, UsageError
+from keras_transformer.cluster.keras_patches import build_for_distributed_fit
+from keras_transformer.cluster.workers import Cluster, any_worker, check_same_settings
+from keras_transformer.errors import UsageError
+from keras_transformer.kernels import fused_kernels
+from keras_transformer.training import callbacks as cb
 from keras_transformer.training import run_data
+from keras_transformer.training.config import DEFAULT_MAX_STEPS, StepBudget, TrainConfig
+from keras_transformer.training.loss_scaling import LossScaleOptimizer
+from keras_transformer.training.losses import (
+    GlobalTokenCrossEntropy,
+    MaskedAccuracy,
+    Perplexity,
+)
+from keras_transformer.training.optimizer import paper_adam
+from keras_transformer.training.precision import (
+    gpu_capabilities,
+    resolve_jit,
+    resolve_precision,
+)
+from keras_transformer.training.trainer_model import build_trainer
+from pipelines.batching import make_batches, xla_bucket_boundaries
 
 _LOG = logging.getLogger("keras_transformer")
 
 
-def run_config(args: argparse.Namespace, model_config) -> dict[str, Any]:
-    """What config.json records. `identity` must match for a resume to be allowed."""
-    model = {"preset": args.preset, **dataclasses.asdict(model_config)}
-    identity = {
-        "data": args.data, "src": args.src, "tgt": args.tgt, "train_split": args.train_split,
-        "prepared": args.prepared, "tokenizer_sample": args.tokenizer_sample,
-        "model": model, "tokens_per_batch": args.tokens_per_batch,
-        "accumulate": args.accumulate, "tokens_per_step": args.tokens_per_step,
-        "max_length": args.max_length, "label_smoothing": args.label_smoothing,
-        "warmup_steps": args.warmup_steps, "lr_scale": args.lr_scale, "seed": args.seed,
-        "checkpoint_every": args.checkpoint_every,
-        "validate_every": args.validate_every or args.checkpoint_every,
-    }
-    return {"identity": identity, "model": model, "arguments": vars(args).copy()}
-
-
-def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[str, Any],
+def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, Any],
                 prepared, strategy, cluster: Cluster, budget: StepBudget, out: Path,
                 home: Path, started: float) -> dict[str, Any]:
-    """Pipelines, model and `model.fit`; returns what `finish` reports.
+    """Pipelines, model and `model.fit`; returns what `run.finish_run` reports.
 
     `cluster` is the `TF_CONFIG` cluster `strategy` spans; `budget` spreads each optimizer
-    step over replicas and accumulated micro-batches; Keras steps are micro-batches, every other count (schedule, checkpoints, resume) is of
-    optimizer steps. `out` is the run directory (read for resuming), `home` where this
+    step over replicas and accumulated micro-batches; Keras steps are micro-batches, every
+    other count (schedule, checkpoints, resume) is of optimizer steps. `out` is the run directory (read for resuming), `home` where this
     worker writes (`out` on the chief, a scratch folder on other workers), `started` when
     the command started.
     """
-    import keras
-    import tensorflow as tf
-
-    from keras_transformer.cluster.keras_patches import build_for_distributed_fit
-    from keras_transformer.cluster.workers import any_worker, check_same_settings
-    from keras_transformer.kernels import fused_kernels
-    from keras_transformer.model.transformer import build_transformer
-    from keras_transformer.training import callbacks as cb
-    from keras_transformer.training.loss_scaling import LossScaleOptimizer
-    from keras_transformer.training.losses import (
-        GlobalTokenCrossEntropy,
-        MaskedAccuracy,
-        Perplexity,
-    )
-    from keras_transformer.training.optimizer import paper_adam
-    from keras_transformer.training.precision import (
-        gpu_capabilities,
-        resolve_jit,
-        resolve_precision,
-    )
-    from pipelines.batching import make_batches, xla_bucket_boundaries
-
-    keras.utils.set_random_seed(args.seed)
+    keras.utils.set_random_seed(config.optimization.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
-    precision = resolve_precision(args.precision, gpu_capabilities())
-    jit = resolve_jit(args.jit_compile, gpus)
+    precision = resolve_precision(config.optimization.precision, gpu_capabilities())
+    jit = resolve_jit(config.optimization.jit_compile, gpus)
     fused = not jit and fused_kernels() is not None  # XLA-compiled steps use TF ops
     replicas, accumulate = strategy.num_replicas_in_sync, budget.accumulate
     # XLA compiles one step per batch shape: coarser buckets, every batch padded to its
     # bucket's full shape (pipelines.batching.xla_bucket_boundaries).
-    shapes = dict(bucket_boundaries=xla_bucket_boundaries(args.max_length),
+    shapes = dict(bucket_boundaries=xla_bucket_boundaries(config.data.max_length),
                   static_shapes=True) if jit else {}
     if jit:
-        config["train_batch_shapes"] = len(prepared.static_shapes(
-            budget.micro_batch, args.max_length, bucket_boundaries=shapes["bucket_boundaries"]))
-        _LOG.info(f"XLA: the training batches come in {config['train_batch_shapes']} shapes (each "
+        record["train_batch_shapes"] = len(prepared.static_shapes(
+            budget.micro_batch, config.data.max_length, bucket_boundaries=shapes["bucket_boundaries"]))
+        _LOG.info(f"XLA: the training batches come in {record['train_batch_shapes']} shapes (each "
             "compiled once)")
     tokenizer = prepared.tokenizer()
-    config.update(precision=precision, jit_compile=jit, replicas=replicas,
+    record.update(precision=precision, jit_compile=jit, replicas=replicas,
                   step_budget={**dataclasses.asdict(budget),
                                "tokens_per_step": budget.tokens_per_step},
                   tokenizer_vocab_size=tokenizer.vocab_size,
                   prepared={"directory": str(prepared.directory.resolve()),
                             "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
                             "pairs": prepared.pairs, "shards": prepared.num_shards})
-    check_same_settings({**config["identity"], **{key: config[key] for key in (
-        "precision", "jit_compile", "replicas", "step_budget")}}, cluster, args.join_timeout)
-    run_data.check_resumed_data(out, config)
-    run_directory.write_json_atomic(home / run_directory.CONFIG_FILE, config)
+    check_same_settings({**record["identity"], **{key: record[key] for key in (
+        "precision", "jit_compile", "replicas", "step_budget")}}, cluster, config.cluster.join_timeout)
+    run_data.check_resumed_data(out, record)
+    run_directory.write_json_atomic(home / run_directory.CONFIG_FILE, record)
 
     with strategy.scope():
-        model = build_transformer(**config["model"], dtype=precision)
-        optimizer = paper_adam(model.config.d_model, args.warmup_steps, args.lr_scale)
+        model = build_trainer(**record["model"], dtype=precision)
+        optimizer = paper_adam(model.config.d_model, config.optimization.warmup_steps, config.optimization.lr_scale)
         if precision == "mixed_float16":  # steps skipped on overflow still count as steps
-            optimizer = LossScaleOptimizer(optimizer, initial_scale=args.initial_loss_scale)
+            optimizer = LossScaleOptimizer(optimizer, initial_scale=config.optimization.initial_loss_scale)
         model.compile(
             optimizer=optimizer,
-            loss=GlobalTokenCrossEntropy(args.label_smoothing),
+            loss=GlobalTokenCrossEntropy(config.optimization.label_smoothing),
             metrics=[MaskedAccuracy(), Perplexity(), cb.TokenCount()],
             jit_compile=jit,
             accumulate_steps=accumulate,
@@ -132,7 +114,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     step = cb.global_step(model)
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
-                    max_length=args.max_length, seed=args.seed, **shapes)
+                    max_length=config.data.max_length, seed=config.optimization.seed, **shapes)
     contexts: list[tf.distribute.InputContext] = []
 
     def train_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -141,7 +123,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         # exactly where the interrupted one was, reading one shard (no replay).
         per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
         return prepared.batches(tokens_per_batch=budget.global_micro_batch,
-                                max_length=args.max_length, seed=args.seed,
+                                max_length=config.data.max_length, seed=config.optimization.seed,
                                 input_context=context,
                                 skip_batches=step * accumulate * per_pipeline, **shapes)
 
@@ -163,20 +145,20 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
         lambda ctx: make_batches(corpora["val"], shuffle=False, input_context=ctx, **batching)
         .repeat().take(val_steps * per_pipeline))
 
-    if args.epochs:  # micro-batches of one replica per epoch, over replicas x accumulate
+    if config.optimization.epochs:  # micro-batches of one replica per epoch, over replicas x accumulate
         micro_batches = sum(len(ends) for ends in prepared.shard_batches(
-            budget.micro_batch, args.max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
-        max_steps = max(1, math.ceil(args.epochs * micro_batches / (replicas * accumulate)))
+            budget.micro_batch, config.data.max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
+        max_steps = max(1, math.ceil(config.optimization.epochs * micro_batches / (replicas * accumulate)))
     else:
-        max_steps = args.max_steps or DEFAULT_MAX_STEPS
-    validate_every = args.validate_every or args.checkpoint_every
-    interval = math.gcd(args.checkpoint_every, validate_every)
-    stopper = cb.StopAt(max_steps, args.max_minutes * 60 if args.max_minutes else None,
+        max_steps = config.optimization.max_steps or DEFAULT_MAX_STEPS
+    validate_every = config.validate_every
+    interval = math.gcd(config.output.checkpoint_every, validate_every)
+    stopper = cb.StopAt(max_steps, config.optimization.max_minutes * 60 if config.optimization.max_minutes else None,
                         elapsed_before=float(state.get("elapsed_seconds", 0.0)))
     throughput = cb.ThroughputLogger()
     checkpointer = cb.RunCheckpointer(
-        home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR, args.checkpoint_every,
-        keep=args.average_last, patience=args.patience, stopper=stopper, state=state)
+        home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR, config.output.checkpoint_every,
+        keep=config.evaluation.average_last, patience=config.evaluation.patience, stopper=stopper, state=state)
     (home / run_directory.LOG_DIR).mkdir(parents=True, exist_ok=True)
     callbacks = [cb.FirstStepTimer(started, _LOG.info), stopper, throughput, checkpointer,
                  cb.ProgressLog(stopper, _LOG.info),
@@ -190,9 +172,9 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
     # Last: every stop is taken by all workers together, between optimizer updates.
     agree = any_worker(strategy) or bool
     callbacks.append(cb.AgreedStop(agree, stopper))
-    limit = f"{max_steps:,} steps" + (f" or {args.max_minutes:g} min" if args.max_minutes
+    limit = f"{max_steps:,} steps" + (f" or {config.optimization.max_minutes:g} min" if config.optimization.max_minutes
                                       else "")
-    _LOG.info(f"training {model.count_params():,} parameters ({args.preset} preset, vocabulary "
+    _LOG.info(f"training {model.count_params():,} parameters ({config.model.preset} preset, vocabulary "
               f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {budget.describe()}; "
               f"{precision}, XLA {'on' if jit else 'off'}; " + (
                   f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")
@@ -209,7 +191,7 @@ def train_model(args: argparse.Namespace, config: dict[str, Any], corpora: dict[
             steps_per_epoch=interval * accumulate, validation_data=val_data,
             validation_freq=validate_every // interval, callbacks=callbacks,
             # Keras' own "Epoch 3/42" lines only with --verbose: ProgressLog counts steps.
-            verbose=2 if args.verbose else 0, shuffle=False,
+            verbose=2 if config.output.verbose else 0, shuffle=False,
         )
     step = cb.global_step(model)
     return {

@@ -1,7 +1,8 @@
 """Recipes: named sets of training defaults (`python -m keras_transformer.train --recipe NAME`).
 
-A recipe replaces the flags' defaults; any flag given on the command line still wins, and
-`config.json` records the recipe's name and every final value. `multi30k` is the small-data
+A recipe replaces the settings' defaults (`keras_transformer.training.config.train_config`);
+any flag given on the command line, or setting given in Python, still wins, and `config.json`
+records the recipe's name and every final value. `multi30k` is the small-data
 recipe behind the README's quickstart figure; `paper-base` and `paper-big` are the paper's
 WMT14 settings (sections 5 and 6.1, Table 3), as in the README's WMT14 commands.
 
@@ -12,8 +13,6 @@ model on a fast machine and a slow one (our machines have differed 2x in matmul 
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Section 5 of the paper; the WMT14 data, sizes and evaluation (6.1) are the README's.
@@ -56,34 +55,3 @@ def describe_recipes() -> str:
     return "; ".join(f"{name}: " + ", ".join(f"--{key.replace('_', '-')} {value}"
                                              for key, value in values.items())
                      for name, values in RECIPES.items())
-
-
-def add_recipe_flag(parser: argparse.ArgumentParser) -> None:
-    """Adds `--recipe NAME` (see `parse_with_recipe`)."""
-    parser.add_argument("--recipe", choices=sorted(RECIPES),
-                        help="a named set of defaults, overridden by any flag given: "
-                        + describe_recipes())
-
-
-def recipe_defaults(name: str, known: Mapping[str, Any]) -> dict[str, Any]:
-    """The values of recipe `name` for the flags a parser has (`known`: its defaults)."""
-    return {key: value for key, value in RECIPES[name].items() if key in known}
-
-
-def parse_with_recipe(parser: argparse.ArgumentParser,
-                      argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses `argv` with the defaults of its `--recipe` (if any): flags still win.
-
-    Args:
-        parser: a parser with `add_recipe_flag`.
-        argv: the arguments (default `sys.argv[1:]`).
-
-    Returns:
-        The namespace; `recipe` is the recipe's name or None.
-    """
-    first, _ = parser.parse_known_args(argv)
-    if first.recipe is None:
-        return parser.parse_args(argv)
-    defaults = {action.dest: action.default for action in parser._actions}
-    parser.set_defaults(**recipe_defaults(first.recipe, defaults))
-    return parser.parse_args(argv)

@@ -1,18 +1,21 @@
 """The data of a training run: its corpora and its prepared training data (`pipelines.prepared`).
 
-Library code of `python -m keras_transformer.train`: every function takes the parsed flags
-and raises `UsageError` (one line, exit status 2) for what the user must change.
+Library code of `run_training`: every function takes the run's `TrainConfig` and raises
+`UsageError` (one line, exit status 2 in the command) for what the user must change.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keras_transformer import run_directory
-from keras_transformer.flags import PREPARE_WAIT_SECONDS, UsageError
+from keras_transformer.errors import UsageError
+from keras_transformer.training.config import TrainConfig
+
+# How long a non-chief worker waits for the chief to prepare the training data.
+PREPARE_WAIT_SECONDS = 3 * 3600
 
 if TYPE_CHECKING:
     from keras_transformer.cluster.workers import Cluster
@@ -20,7 +23,7 @@ if TYPE_CHECKING:
     from pipelines.prepared import PreparedCorpus
 
 
-def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
+def load_corpora(config: TrainConfig) -> dict[str, Any]:
     """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects.
 
     `CorpusError` becomes `UsageError`, except for a train split that is absent where the
@@ -31,30 +34,30 @@ def load_corpora(args: argparse.Namespace) -> dict[str, Any]:
 
     corpora: dict[str, Any] = {"train": None}
     try:
-        corpora["train"] = open_corpus(args.data, args.train_split, args.src, args.tgt,
-                                       data_dir=args.data_dir, manual_dir=args.manual_dir)
+        corpora["train"] = open_corpus(config.data.data, config.data.train_split, config.data.src, config.data.tgt,
+                                       data_dir=config.data.data_dir, manual_dir=config.data.manual_dir)
     except CorpusError as error:
-        if not args.prepared:
+        if not config.data.prepared:
             raise UsageError(f"train data: {error}") from None
         corpora["train_error"] = UsageError(f"train data: {error}")
-    splits = {"val": args.val_split}
-    if args.test_split.lower() != "none":
-        splits["test"] = args.test_split
+    splits = {"val": config.data.val_split}
+    if config.data.test_split.lower() != "none":
+        splits["test"] = config.data.test_split
     for role, split in splits.items():
         try:
-            corpora[role] = load_corpus(args.data, split, args.src, args.tgt,
-                                        data_dir=args.data_dir, manual_dir=args.manual_dir)
+            corpora[role] = load_corpus(config.data.data, split, config.data.src, config.data.tgt,
+                                        data_dir=config.data.data_dir, manual_dir=config.data.manual_dir)
         except CorpusError as error:
             raise UsageError(f"{role} data: {error}") from None
     return corpora
 
 
-def prepared_dir(args: argparse.Namespace) -> Path:
+def prepared_dir(config: TrainConfig) -> Path:
     """Where the prepared training data live: --prepared, else <run>/prepared."""
-    return Path(args.prepared) if args.prepared else Path(args.out) / run_directory.PREPARED_DIR
+    return Path(config.data.prepared) if config.data.prepared else Path(config.output.out) / run_directory.PREPARED_DIR
 
 
-def check_prepared(args: argparse.Namespace, prepared) -> None:
+def check_prepared(config: TrainConfig, prepared) -> None:
     """Refuses prepared data made with settings other than this run's.
 
     Languages, vocabulary size and tokenizer sample must be equal; the run's --max-length
@@ -66,18 +69,18 @@ def check_prepared(args: argparse.Namespace, prepared) -> None:
     from pipelines.prepared import PreparedError
 
     try:
-        prepared.check_settings({"src_lang": args.src, "tgt_lang": args.tgt,
-                                 "vocab_size": args.vocab_size,
-                                 "tokenizer_sample": args.tokenizer_sample})
+        prepared.check_settings({"src_lang": config.data.src, "tgt_lang": config.data.tgt,
+                                 "vocab_size": config.data.vocab_size,
+                                 "tokenizer_sample": config.data.tokenizer_sample})
     except PreparedError as error:
         raise UsageError(str(error)) from None
     longest = prepared.settings["max_length"]
-    if args.max_length > longest:
-        raise UsageError(f"--max-length {args.max_length} is above the {longest} that "
+    if config.data.max_length > longest:
+        raise UsageError(f"--max-length {config.data.max_length} is above the {longest} that "
                          f"{prepared.directory} was prepared with; lower it, or prepare again")
 
 
-def find_prepared(args: argparse.Namespace, corpora: dict[str, Any],
+def find_prepared(config: TrainConfig, corpora: dict[str, Any],
                   will_overwrite: bool) -> PreparedCorpus | None:
     """The complete, matching prepared data of this run, or None if they must be made.
 
@@ -87,8 +90,8 @@ def find_prepared(args: argparse.Namespace, corpora: dict[str, Any],
     """
     from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError
 
-    directory = prepared_dir(args)
-    inside_run = not args.prepared
+    directory = prepared_dir(config)
+    inside_run = not config.data.prepared
     if inside_run and will_overwrite:
         return None  # deleted with the run directory
     if not (directory / MANIFEST_FILE).is_file():
@@ -104,23 +107,23 @@ def find_prepared(args: argparse.Namespace, corpora: dict[str, Any],
             prepared.check_source(corpora["train"])
     except PreparedError as error:
         raise UsageError(str(error)) from None
-    check_prepared(args, prepared)
+    check_prepared(config, prepared)
     return prepared
 
 
-def scan_training_text(args: argparse.Namespace, train_split: CorpusSplit,
+def scan_training_text(config: TrainConfig, train_split: CorpusSplit,
                        report: Callable[[str], None]) -> CorpusScan:
     """The one validating pass over the training text (`pipelines.corpora.scan_corpus`)."""
     from pipelines.corpora import CorpusError, scan_corpus
 
-    report(f"validating and sampling the training split of {args.data} ...")
+    report(f"validating and sampling the training split of {config.data.data} ...")
     try:
-        return scan_corpus(train_split, sample_pairs=args.tokenizer_sample, seed=args.seed)
+        return scan_corpus(train_split, sample_pairs=config.data.tokenizer_sample, seed=config.optimization.seed)
     except CorpusError as error:
         raise UsageError(f"train data: {error}") from None
 
 
-def training_data(args: argparse.Namespace, train_split: CorpusSplit | None,
+def training_data(config: TrainConfig, train_split: CorpusSplit | None,
                   prepared: PreparedCorpus | None, scan: CorpusScan | None, cluster: Cluster,
                   report: Callable[[str], None]) -> PreparedCorpus:
     """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`),
@@ -137,14 +140,14 @@ def training_data(args: argparse.Namespace, train_split: CorpusSplit | None,
     from keras_transformer.cluster.workers import wait_for_all
     from pipelines.prepared import PreparedCorpus, PreparedError, prepare_corpus
 
-    directory = prepared_dir(args)
+    directory = prepared_dir(config)
     if prepared is None and cluster.is_chief:
         report(f"preparing {scan.pairs:,} training pairs into {directory} (once) ...")
         try:
             prepared = prepare_corpus(
-                train_split, directory, vocab_size=args.vocab_size, max_length=args.max_length,
-                tokenizer_sample=args.tokenizer_sample, shard_pairs=args.shard_pairs,
-                min_shards=cluster.num_workers, seed=args.seed, scan=scan)
+                train_split, directory, vocab_size=config.data.vocab_size, max_length=config.data.max_length,
+                tokenizer_sample=config.data.tokenizer_sample, shard_pairs=config.data.shard_pairs,
+                min_shards=cluster.num_workers, seed=config.optimization.seed, scan=scan)
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
     if cluster.is_multi_worker:
@@ -157,7 +160,7 @@ def training_data(args: argparse.Namespace, train_split: CorpusSplit | None,
         except PreparedError as error:
             raise UsageError(f"{error}; the chief prepared it: is {directory} the same shared "
                              "path on every machine (or a copy of it)?") from None
-        check_prepared(args, prepared)
+        check_prepared(config, prepared)
     if prepared.num_shards < cluster.num_workers:
         raise UsageError(f"{directory} has {prepared.num_shards} shard(s) for "
                          f"{cluster.num_workers} workers (each reads its own); prepare it with "

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_transformer.flags import build_parser
+from keras_transformer.flags import build_train_parser
 from keras_transformer.run_directory import load_run
 from keras_transformer.train import main
 from keras_transformer.training.checkpoints import average_checkpoints
@@ -57,7 +57,7 @@ TINY = ["--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
 
 
 def test_help_documents_every_flag():
-    text = build_parser().format_help()
+    text = build_train_parser().format_help()
     for flag in ("--data", "--src", "--tgt", "--preset", "--d-model", "--num-layers",
                  "--num-heads", "--d-ff", "--dropout", "--label-smoothing", "--warmup-steps",
                  "--lr-scale", "--vocab-size", "--pre-norm", "--tokens-per-batch",

@@ -3,7 +3,6 @@ counter, the step/time limit, the global-token loss on one device, strategy sele
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 
 from keras_transformer import run_directory
 from keras_transformer.averaging import main as averaging_main
-from keras_transformer.flags import UsageError, step_budget
+from keras_transformer.errors import UsageError
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training.callbacks import StopAt, TokenCount, save_model_weights
 from keras_transformer.training.checkpoints import (
@@ -21,6 +20,7 @@ from keras_transformer.training.checkpoints import (
     list_checkpoints,
     steps_to_keep,
 )
+from keras_transformer.training.config import BatchConfig
 from keras_transformer.training.losses import GlobalTokenCrossEntropy, LabelSmoothedCrossEntropy
 from keras_transformer.training.precision import resolve_jit, resolve_precision
 
@@ -141,8 +141,9 @@ def test_stop_at_max_steps_and_time_budget():
 def _compiled_tiny_model():
     """A tiny model compiled with the paper's Adam, its optimizer state built (saveable)."""
     from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
 
-    model = build_transformer("tiny", vocab_size=20)
+    model = build_trainer("tiny", vocab_size=20)
     model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
     model.optimizer.build(model.trainable_variables)
     return model
@@ -239,21 +240,20 @@ def test_averaging_windows_follow_the_best_step():
     ],
 )
 def test_step_budget_spreads_a_step_over_replicas_and_micro_batches(flags, replicas, expected):
-    args = argparse.Namespace(**{"tokens_per_batch": 4096, "max_length": 128,
-                                 "tokens_per_step": None, "accumulate": None, **flags})
-    budget = step_budget(args, replicas)
+    batches = BatchConfig(**{"tokens_per_batch": 4096, "tokens_per_step": None,
+                             "accumulate": None, **flags})
+    budget = batches.budget(replicas, max_length=128)
     assert (budget.micro_batch, budget.accumulate, budget.tokens_per_step) == expected
     assert budget.replicas == replicas
     assert budget.global_micro_batch == budget.micro_batch * replicas
 
 
 def test_step_budget_refuses_micro_batches_below_max_length_naming_the_smallest_step():
-    args = argparse.Namespace(tokens_per_batch=4096, max_length=128, tokens_per_step=200,
-                              accumulate=None)
+    batches = BatchConfig(tokens_per_batch=4096, tokens_per_step=200, accumulate=None)
     with pytest.raises(UsageError, match="from 200 up on 2 replica.s. is 256"):
-        step_budget(args, 2)
-    args.tokens_per_step = 256
-    assert step_budget(args, 2).micro_batch == 128
+        batches.budget(2, max_length=128)
+    batches.tokens_per_step = 256
+    assert batches.budget(2, max_length=128).micro_batch == 128
 
 
 def test_a_run_started_with_a_global_tokens_per_batch_on_replicas_is_not_resumed(tmp_path):

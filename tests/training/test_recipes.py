@@ -12,11 +12,12 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from keras_transformer.flags import validate_data_flags
-from keras_transformer.prepare import build_parser as prepare_parser
+from keras_transformer.flags import parse_train_args
+from keras_transformer.prepare import parse_args as parse_prepare_args
 from tests.cli.test_train import REPO, cli_env, write_toy_corpus
 
 RECIPES_SECTION = "## The paper's recipes: WMT14 English→German"
@@ -81,8 +82,8 @@ def test_the_readme_lists_prepare_base_and_big():
     assert commands[2][1:3] == ["--recipe", "paper-base"]  # checked flag for flag below
     for command in commands:
         assert command[command.index("--data") + 1] == "tfds:wmt14_translate/de-en"
-    prepare = prepare_parser().parse_args(commands[0][1:])
-    validate_data_flags(prepare)
+    prepare, _ = parse_prepare_args(commands[0][1:])
+    prepare.check()
     assert prepare.vocab_size == 37000
 
 
@@ -130,8 +131,12 @@ def test_the_base_recipe_shrunk_to_tiny_trains_end_to_end_on_mocked_tfds(tmp_pat
     assert "BLEU" in result.stdout and "nrefs:1" in result.stdout
 
 
+def parse_args(argv: list[str]):
+    """`train`'s settings by flag name, as config.json's "arguments" records them."""
+    return SimpleNamespace(**parse_train_args(argv)[0].flags())
+
+
 def test_a_recipe_sets_defaults_that_flags_override():
-    from keras_transformer.flags import parse_args
     from keras_transformer.training.recipes import RECIPES
 
     base = ["--data", "d", "--src", "de", "--tgt", "en", "--out", "o"]
@@ -150,8 +155,6 @@ def test_a_recipe_sets_defaults_that_flags_override():
 
 def test_the_paper_recipes_match_the_readme_commands():
     """`--recipe paper-base` is the README's WMT14 base command, flag for flag."""
-    from keras_transformer.flags import parse_args
-
     base_command, big_command = (command for command in readme_recipes()
                                  if command[0] == "keras_transformer.train"
                                  and "--recipe" not in command)

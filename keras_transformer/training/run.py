@@ -1,0 +1,324 @@
+"""A whole training run from Python: `run_training(config)`, what `python -m
+keras_transformer.train` does (OpenNMT-tf's `Runner`; the command only parses its flags into a
+`TrainConfig` and calls this).
+
+corpus -> prepared data (shared subword vocabulary and token shards, made once:
+`pipelines.prepared`) -> token-budget batches -> `model.fit` under a tf.distribute strategy
+(periodic/best checkpoints, resumable backup, TensorBoard: `keras_transformer.training.fit`) ->
+checkpoint averaging chosen on val (6.1, `keras_transformer.training.final_weights`) ->
+BLEU/chrF on the test split -> SavedModel export -> results.json.
+
+Every setting and the corpus are checked before the run directory is created, so a bad
+config fails at once with one `UsageError` and leaves nothing behind. Running the same config
+again resumes an interrupted run from its last backup; a finished run is not trained again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from keras_transformer import run_directory
+from keras_transformer.cluster.strategy import select_strategy
+from keras_transformer.cluster.workers import (
+    Cluster,
+    ClusterFailure,
+    PeerRefused,
+    cluster_error,
+    read_cluster,
+    report_refusal,
+)
+from keras_transformer.decoding.scoring import score_translations, validation_loss
+from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.model.transformer import build_transformer
+from keras_transformer.serving.saved_model import export_saved_model
+from keras_transformer.training import run_data
+from keras_transformer.training.config import DEFAULT_MAX_STEPS, StepBudget, TrainConfig
+from keras_transformer.training.final_weights import choose_final_weights
+from keras_transformer.training.fit import train_model
+from pipelines.batching import make_batches
+from pipelines.tokenizer import SubwordTokenizer
+
+_LOG = logging.getLogger("keras_transformer")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN; the run's earlier checkpoints are kept."""
+
+
+def say(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any]:
+    """Trains, averages, scores and exports one run, as `python -m keras_transformer.train`.
+
+    Prepares the training data once (or reuses `config.data.prepared`), resumes an interrupted
+    run in `config.output.out` from its backup, stops by steps, epochs, minutes, patience or
+    NaN (every worker of a `TF_CONFIG` cluster at the same step), keeps the checkpoint average
+    chosen on val, scores the test split with sacreBLEU and exports a SavedModel.
+
+    Example:
+        results = kt.run_training(kt.train_config(
+            recipe="multi30k", data="../shared/data/multi30k", src="de", tgt="en",
+            out="runs/multi30k-de-en"))
+        results["bleu"]
+
+    Args:
+        config: the run's settings (`train_config` builds one from flag names).
+        dry_run: check everything, log the plan and return it as {"plan": text}, creating
+            and training nothing.
+
+    Returns:
+        What results.json holds (steps, stop reason, validation losses, the averaging
+        chosen, test BLEU/chrF with their signatures, the export path, ...). On a finished
+        run, its results.json. On a worker other than the chief: {"step", "stop_reason",
+        "chief": False}.
+
+    Raises:
+        UsageError (and the other `ValueError`s of a bad setting, corpus, run directory or
+            cluster): nothing was created, or what a fresh run had created was removed; the
+            other workers of a cluster are told and refuse too.
+        ClusterFailure: another worker was lost; run every worker again to resume.
+        TrainingDiverged: the loss became NaN (earlier checkpoints are kept).
+    """
+    started = time.perf_counter()
+    cluster = None
+    try:
+        model_config = config.check()
+        cluster = read_cluster()
+        # Before any other TF work (multi-worker needs it), and before the corpora: the
+        # step's budget depends on the replicas and is refused before anything is read.
+        strategy = select_strategy(cluster, config.cluster.join_timeout)
+        budget = config.batches.budget(strategy.num_replicas_in_sync, config.data.max_length)
+        corpora = run_data.load_corpora(config)
+        record = run_record(config, model_config)
+        out, chief = Path(config.output.out), cluster.is_chief
+        if chief:
+            mode = run_directory.inspect_run_dir(out, record["identity"],
+                                                 overwrite=config.output.overwrite,
+                                                 resume=config.output.resume)
+        else:  # the chief judges (and creates) the run directory; workers only read it
+            finished = (out / run_directory.RESULTS_FILE).is_file()
+            mode = "finished" if finished and not config.output.overwrite else "worker"
+        prepared = scan = None
+        if mode != "finished":
+            # Other workers read the chief's data once it has them (it may be replacing them).
+            prepared = (run_data.find_prepared(config, corpora, will_overwrite=mode == "fresh")
+                        if chief else None)
+            if dry_run:
+                plan = describe_plan(config, model_config, corpora, budget, mode, prepared)
+                say(plan)
+                return {"plan": plan}
+            if prepared is None and chief:  # the one pass over the text, before anything exists
+                scan = run_data.scan_training_text(config, corpora["train"], say)
+    except ValueError as error:  # UsageError, RunDirError, ClusterConfigError
+        raise _refused(error, cluster) from None
+    if mode == "finished":
+        results = run_directory.read_json(out / run_directory.RESULTS_FILE)
+        say(f"{out} is already trained ({results.get('steps')} steps, BLEU "
+            f"{results.get('bleu')}); pass --overwrite to train again.")
+        return results
+
+    if chief:
+        if mode == "fresh" and out.exists():
+            shutil.rmtree(out)  # --overwrite of a run directory (checked above)
+        out.mkdir(parents=True, exist_ok=True)
+        if mode == "fresh":
+            # Written first, so that a run killed while preparing its data is resumable.
+            run_directory.write_json_atomic(out / run_directory.CONFIG_FILE, record)
+    # Non-chief workers write their (identical) files to a scratch folder removed at the end:
+    # every worker must save (variables may need collective reads), only the chief's count.
+    home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
+    try:
+        data = run_data.training_data(config, corpora["train"], prepared, scan, cluster, say)
+        run_data.copy_tokenizer(data, home)
+        scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
+        outcome = train_model(config, record, corpora, data, strategy, cluster, budget, out,
+                              home, started)
+    except Exception as error:
+        # A bad setting here, or another worker's refusal or loss (an aborted collective).
+        failure = error if isinstance(error, ValueError | ClusterFailure) else cluster_error(
+            error, cluster)
+        if failure is None:
+            raise
+        if isinstance(failure, ClusterFailure):
+            raise failure from None
+        if chief and mode == "fresh":
+            shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
+        raise _refused(failure, cluster) from None
+    finally:
+        if not chief:
+            shutil.rmtree(home, ignore_errors=True)
+    if outcome["diverged"]:
+        raise TrainingDiverged(
+            f"the loss became NaN at step {outcome['step']}; lower --lr-scale or raise "
+            f"--warmup-steps. Earlier checkpoints are in {out / run_directory.CHECKPOINT_DIR}.")
+    if not chief:
+        say(f"{cluster.describe()}: trained to step {outcome['step']} ({outcome['reason']}); "
+            "the chief evaluates and exports")
+        return {"step": outcome["step"], "stop_reason": outcome["reason"], "chief": False}
+    return finish_run(config, record, corpora, outcome)
+
+
+def _refused(error: Exception, cluster: Cluster | None) -> Exception:
+    """A bad setting, corpus, run directory or cluster, told to the other workers of a cluster
+    (unless the refusal came from them), so that they stop with the same reason at once
+    instead of waiting for this one."""
+    if not isinstance(error, PeerRefused):
+        report_refusal(str(error), cluster)
+    return error
+
+
+def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
+    """What config.json records first: `identity` (must match for a resume to be allowed), the
+    model's hyperparameters, and `arguments`, the `TrainConfig`'s settings by flag name
+    (`keras_transformer.training.config.config_from_flags` rebuilds it)."""
+    model = {"preset": config.model.preset, **dataclasses.asdict(model_config)}
+    data, batches, optimization = config.data, config.batches, config.optimization
+    identity = {
+        "data": data.data, "src": data.src, "tgt": data.tgt, "train_split": data.train_split,
+        "prepared": data.prepared, "tokenizer_sample": data.tokenizer_sample,
+        "model": model, "tokens_per_batch": batches.tokens_per_batch,
+        "accumulate": batches.accumulate, "tokens_per_step": batches.tokens_per_step,
+        "max_length": data.max_length, "label_smoothing": optimization.label_smoothing,
+        "warmup_steps": optimization.warmup_steps, "lr_scale": optimization.lr_scale,
+        "seed": optimization.seed, "checkpoint_every": config.output.checkpoint_every,
+        "validate_every": config.validate_every,
+    }
+    return {"identity": identity, "model": model, "arguments": config.flags()}
+
+
+def describe_plan(config: TrainConfig, model_config, corpora: dict[str, Any],
+                  budget: StepBudget, mode: str, prepared) -> str:
+    """What a run would do (`--dry-run`); everything was checked, nothing made."""
+    out = Path(config.output.out)
+    backup_state = out / run_directory.BACKUP_DIR / "state.json"
+    resume_step = (run_directory.read_json(backup_state).get("step", 0)
+                   if backup_state.is_file() else 0)
+    run = {"fresh": "new" + (" (the existing one is deleted: --overwrite)" if out.exists() else ""),
+           "resume": f"resumes an interrupted run at step {resume_step}",
+           "finished": "already trained (nothing to do)",
+           "worker": "written by the chief"}[mode]
+    splits = "; ".join(f"{role} split {corpus.split!r}: {len(corpus):,} pairs"
+                       for role in ("val", "test") if (corpus := corpora.get(role)) is not None)
+    data, optimization, evaluation = config.data, config.optimization, config.evaluation
+    where = run_data.prepared_dir(config)
+    prepared_text = (f"found, {prepared.pairs:,} pairs in {prepared.num_shards} shard(s)"
+                     if prepared else f"prepared once from split {data.train_split!r} "
+                     f"(vocabulary {data.vocab_size}, max length {data.max_length})")
+    model = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(model_config).items())
+    steps = (f"{optimization.epochs:g} epoch(s)" if optimization.epochs
+             else f"{optimization.max_steps or DEFAULT_MAX_STEPS} steps")
+    return ("dry run: nothing was created or trained.\n"
+            + (f"  recipe         {config.recipe} (flags given override it)\n"
+               if config.recipe else "")
+            + f"  run directory  {out}: {run}\n"
+            f"  data           {data.data} {data.src}->{data.tgt}; {splits}\n"
+            f"  prepared data  {where}: {prepared_text}\n"
+            f"  model          {config.model.preset} preset: {model}\n"
+            f"  step           {budget.describe()}\n"
+            f"  schedule       {steps}"
+            + (f" or {optimization.max_minutes:g} min" if optimization.max_minutes else "")
+            + f", warmup {optimization.warmup_steps}, lr scale {optimization.lr_scale:g}, "
+            f"label smoothing {optimization.label_smoothing:g}\n"
+            f"  checkpoints    every {config.output.checkpoint_every} steps, the last "
+            f"{evaluation.average_last} averaged; test BLEU with beam {evaluation.beam}, alpha "
+            f"{evaluation.alpha:g}")
+
+
+def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, Any],
+               outcome: dict[str, Any]) -> dict[str, Any]:
+    """Writes model.keras (the weights chosen on val), scores the test split, exports the
+    SavedModel, writes results.json and logs a summary; returns the results.
+
+    Args:
+        config: the run's settings.
+        record: what the run's config.json holds.
+        corpora: "val" and optionally "test" `ParallelCorpus` objects.
+        outcome: what `keras_transformer.training.fit.train_model` returned.
+    """
+    run = Path(config.output.out)
+    started = time.perf_counter()
+    tokenizer = SubwordTokenizer.load(run / run_directory.TOKENIZER_DIR)
+    # The saved model is float32 whatever the training precision (the weights were float32
+    # anyway): decoding and serving should not inherit a training-only choice.
+    model = build_transformer(**record["model"])
+    # Built once (tokenized once), iterated once per candidate.
+    val_batches = make_batches(corpora["val"], tokenizer, tokens_per_batch=config.batches.tokens_per_batch,
+                               max_length=config.data.max_length, shuffle=False)
+    choice = choose_final_weights(
+        model, run / run_directory.CHECKPOINT_DIR, outcome["best_step"], config.evaluation.average_last,
+        lambda candidate: validation_loss(candidate, val_batches, config.optimization.label_smoothing))
+    model.save(run / run_directory.MODEL_FILE)
+    results: dict[str, Any] = {
+        "steps": outcome["step"], "stop_reason": outcome["reason"],
+        "training_seconds": round(outcome["elapsed"], 1),
+        "tokens_per_sec": round(outcome["tokens_per_sec"], 1),
+        "best_val_loss": outcome["best_val_loss"], "best_step": outcome["best_step"],
+        "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
+        "final_val_loss": choice["val_loss"],
+        "averaging": {key: choice[key] for key in ("reason", "candidates")},
+        **{key: outcome[key] for key in ("precision", "loss_scale", "skipped_updates",
+                                         "replicas", "workers", "jit_compile",
+                                         "fused_kernels")},
+    }
+    test = corpora.get("test")
+    if test is not None:
+        limit = config.data.test_limit or len(test)
+        sources, references = test.sources[:limit], test.targets[:limit]
+        _LOG.info(f"translating {len(sources)} {test.split} sentences (beam {config.evaluation.beam}) ...")
+        hypotheses = translate_texts(model, tokenizer, sources, beam_size=config.evaluation.beam,
+                                     alpha=config.evaluation.alpha)
+        scores = score_translations(hypotheses, references)
+        (run / "test.hyp.txt").write_text("".join(line + "\n" for line in hypotheses))
+        results.update(scores, test_split=test.split, test_sentences=len(sources),
+                       beam=config.evaluation.beam, alpha=config.evaluation.alpha)
+    results["export"] = None
+    if not config.output.no_export:
+        base = (Path(config.output.export_dir) if config.output.export_dir
+                else Path("saved_models") / Path(config.output.out).name)
+        results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=config.evaluation.beam,
+                                                   alpha=config.evaluation.alpha))
+    results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
+    run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, results)
+    summarize(run, results)
+    return results
+
+
+def summarize(run: Path, results: dict[str, Any]) -> None:
+    """The one-screen summary at the end of a run."""
+    line = "=" * 78
+    _LOG.info(f"\n{line}\ntrained {results['steps']} steps in {results['training_seconds'] / 60:.1f} "
+        f"min ({results['stop_reason']}); {results['tokens_per_sec']:.0f} target tokens/s, "
+        f"{results['replicas']} replica(s), {results['precision']}, "
+        f"XLA {'on' if results['jit_compile'] else 'off'}, fused kernels "
+        f"{'on' if results['fused_kernels'] else 'off'}")
+    if results.get("skipped_updates") is not None:
+        _LOG.info(f"loss scaling: {results['skipped_updates']} of {results['steps']} updates skipped "
+            f"for overflow (each still counted as a step); final loss scale "
+            f"{results['loss_scale']:g}")
+    if results["best_val_loss"] is not None:
+        _LOG.info(f"validation loss (Keras metric, batch means averaged): best "
+            f"{results['best_val_loss']:.4f} at step {results['best_step']}")
+    _LOG.info(f"model.keras holds {results['averaging']['reason']}")
+    if results.get("bleu") is not None:
+        _LOG.info(f"test {results['test_split']} ({results['test_sentences']} sentences, beam "
+            f"{results['beam']}): BLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}\n"
+            f"  {results['bleu_signature']}")
+    for label, path in (("run directory", run), ("model", run / run_directory.MODEL_FILE),
+                        ("results", run / run_directory.RESULTS_FILE),
+                        ("translations", run / "test.hyp.txt"),
+                        ("SavedModel", results.get("export")),
+                        ("metrics", run / run_directory.LOG_DIR / "metrics.csv"),
+                        ("TensorBoard", f"tensorboard --logdir {run / run_directory.LOG_DIR}"
+                         if importlib.util.find_spec("tensorboard") else None)):
+        if path and (not isinstance(path, Path) or path.exists()):
+            _LOG.info(f"{label:<14} {path}")
+    _LOG.info(line)
