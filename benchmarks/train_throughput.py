@@ -19,7 +19,7 @@ tokens/s, the padding efficiency of those batches, and MFU over their padded sha
 
 With `--accumulate N`, also compares, in the same process and interleaved round by round,
 one optimizer step on one batch of N x `--batch` sentences against the same step accumulated
-over N micro-batches of `--batch` sentences (`Transformer.compile(accumulate_steps=N)`):
+over N micro-batches of `--batch` sentences (`TransformerTrainer.compile(accumulate_steps=N)`):
 target tokens/s of each (median over rounds) and their ratio.
 """
 
@@ -43,9 +43,10 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks.flops import train_step_flops  # noqa: E402
 from keras_transformer.kernels import fused_kernels  # noqa: E402
-from keras_transformer.model.transformer import build_transformer, transformer_config  # noqa: E402
+from keras_transformer.model.config import transformer_config  # noqa: E402
 from keras_transformer.training.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from keras_transformer.training.optimizer import paper_adam  # noqa: E402
+from keras_transformer.training.trainer_model import build_trainer  # noqa: E402
 
 
 def matmul_peak(dtype: str, size: int = 4096, repeats: int = 5) -> float:
@@ -69,7 +70,7 @@ def _compiled_model(preset: str, precision: str, vocab_size: int, jit_compile: b
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(0)
     config = transformer_config(preset, vocab_size=vocab_size)
-    model = build_transformer(preset, vocab_size=vocab_size)
+    model = build_trainer(preset, vocab_size=vocab_size)
     model.compile(optimizer=paper_adam(config.d_model), loss=LabelSmoothedCrossEntropy(0.1),
                   jit_compile=jit_compile, accumulate_steps=accumulate_steps)
     return model, config

@@ -11,9 +11,12 @@ The public Python API (everything in `__all__`):
     model = kt.build_transformer("small", vocab_size=tokenizer.vocab_size)
     model.compile(optimizer=kt.paper_adam(model.config.d_model),
                   loss=kt.LabelSmoothedCrossEntropy(0.1), metrics=[kt.MaskedAccuracy()])
-    model.fit(batches, epochs=1)
+    model.fit(batches, epochs=1, shuffle=False)  # make_batches shuffles already
     kt.translate_texts(model, tokenizer, ["Ein Hund rennt."], beam_size=4)
     kt.Translator.load("runs/multi30k-de-en").translate(["Ein Hund rennt."])
+
+`kt.build_trainer` builds the same model (same weights) whose `compile` also takes
+`accumulate_steps=N` and which, under mixed_float16, counts loss-scale skips as steps.
 
 Names are imported on first use, so `import keras_transformer` itself is cheap (and the
 command-line tools can configure TensorFlow's logging before TensorFlow loads).
@@ -37,10 +40,10 @@ if sys.argv[:1] == ["-m"]:
 _EXPORTS = {
     # 3. Model architecture: the model, its presets and its layers.
     "Transformer": "keras_transformer.model.transformer",
-    "TransformerConfig": "keras_transformer.model.transformer",
-    "PRESETS": "keras_transformer.model.transformer",
+    "TransformerConfig": "keras_transformer.model.config",
+    "PRESETS": "keras_transformer.model.config",
     "build_transformer": "keras_transformer.model.transformer",
-    "transformer_config": "keras_transformer.model.transformer",
+    "transformer_config": "keras_transformer.model.config",
     "MultiHeadAttention": "keras_transformer.layers",
     "PositionalEmbedding": "keras_transformer.layers",
     "EncoderLayer": "keras_transformer.layers",
@@ -62,6 +65,9 @@ _EXPORTS = {
     "GlobalTokenCrossEntropy": "keras_transformer.training.losses",
     "MaskedAccuracy": "keras_transformer.training.losses",
     "Perplexity": "keras_transformer.training.losses",
+    # 5 Training beyond plain Keras: gradient accumulation, step-counting loss scaling.
+    "TransformerTrainer": "keras_transformer.training.trainer_model",
+    "build_trainer": "keras_transformer.training.trainer_model",
     "select_strategy": "keras_transformer.cluster.strategy",
     "build_for_distributed_fit": "keras_transformer.cluster.keras_patches",
     "RECIPES": "keras_transformer.training.recipes",
@@ -75,6 +81,10 @@ _EXPORTS = {
     "validation_loss": "keras_transformer.decoding.scoring",
     "attention_weights": "keras_transformer.decoding.attention_plots",
     "plot_attention": "keras_transformer.decoding.attention_plots",
+    # A whole run, as `python -m keras_transformer.train`: its typed settings and entry point.
+    "TrainConfig": "keras_transformer.training.config",
+    "train_config": "keras_transformer.training.config",
+    "run_training": "keras_transformer.training.run",
     # Runs and exports.
     "load_run": "keras_transformer.run_directory",
     "export_saved_model": "keras_transformer.serving.saved_model",

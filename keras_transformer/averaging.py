@@ -15,6 +15,7 @@ from pathlib import Path
 
 from keras_transformer import run_directory
 from keras_transformer.flags import add_verbose_flag
+from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training.checkpoints import average_last_checkpoints
 
 
@@ -36,8 +37,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {run} is not a training run directory (no {run_directory.CONFIG_FILE})",
               file=sys.stderr)
         return 2
-
-    from keras_transformer.model.transformer import build_transformer
 
     config = run_directory.read_json(config_path)
     averaged = run / run_directory.CHECKPOINT_DIR / "averaged.weights.h5"

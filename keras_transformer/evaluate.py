@@ -23,15 +23,13 @@ from keras_transformer.decoding.translator import ModelError, load_translator
 from keras_transformer.errors import UsageError
 from keras_transformer.flags import add_verbose_flag
 from keras_transformer.progress import ProgressBar
+from pipelines.corpora import load_corpus
+from pipelines.textfiles import CorpusError, read_text_file
 
 
 def _read_pair(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    from pipelines.textfiles import CorpusError, read_text_file
-
     try:
         if args.data:
-            from pipelines.corpora import load_corpus
-
             corpus = load_corpus(args.data, args.split, args.src, args.tgt)
             return list(corpus.sources), list(corpus.targets)
         sources, references = read_text_file(args.src_file), read_text_file(args.ref_file)

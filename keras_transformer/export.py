@@ -19,6 +19,9 @@ from keras_transformer.decoding.search import (
     DEFAULT_MAX_INPUT_TOKENS,
 )
 from keras_transformer.flags import add_verbose_flag
+from keras_transformer.run_directory import load_run
+from keras_transformer.serving.ctranslate2 import export_ctranslate2
+from keras_transformer.serving.saved_model import export_saved_model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,14 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("export: error: --format ctranslate2 needs the ctranslate2 package: "
               "pip install -e '.[ctranslate2]'", file=sys.stderr)
         return 1
-    from keras_transformer.run_directory import load_run
-    from keras_transformer.serving.saved_model import export_saved_model
 
     try:
         model, tokenizer = load_run(args.model)
         if args.format == "ctranslate2":
-            from keras_transformer.serving.ctranslate2 import export_ctranslate2
-
             print(export_ctranslate2(model, tokenizer, args.export_base, args.quantization))
             return 0
         path = export_saved_model(

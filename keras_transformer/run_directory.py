@@ -22,7 +22,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import keras
+
+import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
 from keras_transformer.errors import UsageError
+from pipelines.tokenizer import SubwordTokenizer
 
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
@@ -46,8 +50,6 @@ def load_run(path: str | Path):
     Raises:
         FileNotFoundError: naming what is missing, if `path` is not a complete run directory.
     """
-    from pipelines.tokenizer import SubwordTokenizer
-
     path = Path(path)
     for required in (path / MODEL_FILE, path / TOKENIZER_DIR):
         if not required.exists():
@@ -55,9 +57,6 @@ def load_run(path: str | Path):
                 f"{path} is not a run directory: {required.name} is missing. Pass the --out "
                 "folder of a finished `python -m keras_transformer.train` run, or a SavedModel."
             )
-    import keras
-
-    import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
 
     model = keras.models.load_model(path / MODEL_FILE, compile=False)
     return model, SubwordTokenizer.load(path / TOKENIZER_DIR)

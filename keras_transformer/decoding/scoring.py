@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from sacrebleu.metrics import BLEU, CHRF
+
 from keras_transformer.training.losses import masked_token_loss_sum
 
 __all__ = ["score_translations", "validation_loss"]
@@ -23,8 +25,6 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
     Raises:
         ValueError: if the lists differ in length or are empty.
     """
-    from sacrebleu.metrics import BLEU, CHRF
-
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references.")
     if not hypotheses:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
 
+from keras_transformer import run_directory
 from keras_transformer.decoding.search import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
@@ -146,16 +148,12 @@ def load_translator(path: str | Path) -> Translator:
     Raises:
         ModelError: if `path` is none of these (or cannot be loaded).
     """
-    from keras_transformer import run_directory
-
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"{path}: no such directory; pass a run directory or a SavedModel.")
     saved = _saved_model_dir(path)
     try:
         if saved is not None:
-            import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
-
             loaded = tf.saved_model.load(str(saved))
             if "translate" not in loaded.signatures:
                 raise ModelError(f"{saved}: a SavedModel without a 'translate' signature; "

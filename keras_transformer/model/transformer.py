@@ -1,19 +1,22 @@
-"""3.1 Encoder and Decoder Stacks, assembled as a functional Keras model, and its presets.
+"""3.1 Encoder and Decoder Stacks, assembled as a functional Keras model.
 
 `Transformer` is a functional `keras.Model` (as keras-hub's backbones are): calling it on
 `{"source": ids, "target": shifted ids}` gives logits, so `fit`/`evaluate`/`predict` and
 `.keras` saving work as for any Keras model. Its `encode`/`decode` methods call the same layers
 step by step with an explicit key/value cache for incremental decoding.
+
+It holds the architecture only. Training beyond plain Keras (gradient accumulation, the
+step-counting loss scaling of mixed_float16) is `keras_transformer.training.trainer_model.
+TransformerTrainer`'s, a subclass with the same weights. Its hyperparameters and presets are
+in `keras_transformer.model.config` (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from keras_transformer.layers import (
@@ -23,85 +26,12 @@ from keras_transformer.layers import (
     PositionalEmbedding,
     padding_mask,
 )
-from keras_transformer.training.accumulation import GradientAccumulator
-from keras_transformer.training.loss_scaling import LossScaleOptimizer
+from keras_transformer.model.config import PRESETS, TransformerConfig, transformer_config
 from pipelines.constants import PAD_ID
 
-# Model hyperparameters; any of them can be overridden on top of a preset.
-PRESETS: dict[str, dict[str, Any]] = {
-    # Paper, Table 3 "base".
-    "base": dict(num_layers=6, d_model=512, num_heads=8, d_ff=2048, dropout=0.1),
-    # Paper, Table 3 "big".
-    "big": dict(num_layers=6, d_model=1024, num_heads=16, d_ff=4096, dropout=0.3),
-    # The Multi30k default: 29k sentence pairs do not need (and overfit) a base model.
-    "small": dict(num_layers=3, d_model=256, num_heads=8, d_ff=1024, dropout=0.1),
-    # For tests: seconds to build and train.
-    "tiny": dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, dropout=0.0),
-}
-
-
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Every hyperparameter of the model, validated on construction."""
-
-    vocab_size: int = 8000
-    num_layers: int = 6
-    d_model: int = 512
-    num_heads: int = 8
-    d_ff: int = 2048
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    activation: str = "relu"
-    pre_norm: bool = False
-    tie_embeddings: bool = True
-    layer_norm_epsilon: float = 1e-6
-    max_wavelength: float = 10000.0
-
-    def __post_init__(self):
-        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "d_ff"):
-            value = getattr(self, name)
-            if _is_integer(value):  # numpy integers -> int, so the config stays JSON-able
-                object.__setattr__(self, name, int(value))
-        for name in ("num_layers", "d_model", "num_heads", "d_ff"):
-            value = getattr(self, name)
-            if not _is_integer(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if not _is_integer(self.vocab_size) or self.vocab_size < 4:
-            raise ValueError(
-                f"vocab_size must be an integer >= 4 (pad=0, unk=1, bos=2, eos=3 are reserved), "
-                f"got {self.vocab_size!r}."
-            )
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: each "
-                "head has d_k = d_model / num_heads (paper 3.2.2). Pick a num_heads that "
-                "divides d_model."
-            )
-        if self.d_model % 2:
-            raise ValueError(f"d_model must be even (sinusoidal positions), got {self.d_model}.")
-        for name in ("dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
-
-
-def transformer_config(preset: str = "base", **overrides: Any) -> TransformerConfig:
-    """A preset's hyperparameters with `overrides` applied.
-
-    Raises:
-        ValueError: for an unknown preset, an unknown field, or an invalid value.
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
-    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"Unknown model setting(s) {unknown}; known: {sorted(fields)}.")
-    return TransformerConfig(**{**PRESETS[preset], **overrides})
+# Re-exported: `from keras_transformer.model.transformer import PRESETS, ...` keeps working.
+__all__ = ["PRESETS", "Transformer", "TransformerConfig", "build_transformer",
+           "transformer_config"]
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -117,6 +47,10 @@ class Transformer(keras.Model):
 
     Outputs:
         float32 logits (batch, target_length, vocab_size), whatever the compute dtype.
+
+    `compile`, `fit` and the train step are Keras' own (under mixed_float16, Keras' loss
+    scaling). `keras_transformer.training.trainer_model.TransformerTrainer` adds gradient
+    accumulation and the step-counting loss scaling on the same layers and weights.
     """
 
     def __init__(
@@ -300,90 +234,6 @@ class Transformer(keras.Model):
         if return_attention_scores:
             return logits, tuple(updated), scores
         return logits, tuple(updated)
-
-    def get_compile_config(self) -> dict[str, Any]:
-        """`keras.Model.get_compile_config`, plus `accumulate_steps`."""
-        config = super().get_compile_config()
-        if config and getattr(self, "_accumulator", None) is not None:
-            config["accumulate_steps"] = self._accumulator.steps
-        return config
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        """Compiles a loaded model as it was saved (Keras' own skips a custom `compile`)."""
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    def compile(self, *args, accumulate_steps: int = 1, **kwargs) -> None:
-        """`keras.Model.compile`, plus gradient accumulation for `fit`.
-
-        Args:
-            accumulate_steps: micro-batches per optimizer update (fairseq's
-                `--update-freq`); see `keras_transformer.training.accumulation`. With N > 1 the loss
-                must be a `LabelSmoothedCrossEntropy` (it normalises by the tokens of all N
-                micro-batches), and `fit`'s steps are micro-batches while the optimizer's
-                `iterations` count updates.
-            *args, **kwargs: as `keras.Model.compile`.
-        """
-        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or (
-                accumulate_steps < 1):
-            raise ValueError(f"accumulate_steps must be a positive integer, got "
-                             f"{accumulate_steps!r}")
-        self._accumulator = None
-        if args and "optimizer" in kwargs:
-            raise TypeError("compile() got the optimizer both by position and by keyword")
-        optimizer = keras.optimizers.get(kwargs.pop("optimizer", args[0] if args else "rmsprop"))
-        if (self.dtype_policy.name == "mixed_float16" and kwargs.get("auto_scale_loss", True)
-                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
-            # Instead of keras' own (which compile would add): skipped updates count as
-            # steps and replicas skip together (keras_transformer.training.loss_scaling).
-            optimizer = LossScaleOptimizer(optimizer)
-        super().compile(optimizer, *args[1:], **kwargs)
-        if accumulate_steps > 1:
-            self._accumulator = GradientAccumulator(self, accumulate_steps)
-
-    def fit(self, *args, **kwargs):
-        """`keras.Model.fit`; with `accumulate_steps` > 1 each `fit` starts a fresh update.
-
-        A `tf.data.Dataset` is shuffled by its pipeline (`make_batches`), so `shuffle`
-        defaults to False for one (Keras would warn that it ignores its default True).
-        """
-        if getattr(self, "_accumulator", None) is not None:
-            self._accumulator.reset()
-        data = args[0] if args else kwargs.get("x")
-        if isinstance(data, tf.data.Dataset | tf.distribute.DistributedDataset):
-            kwargs.setdefault("shuffle", False)
-        return super().fit(*args, **kwargs)
-
-    def load_weights(self, *args, **kwargs):
-        """`keras.Model.load_weights`; a partly accumulated update is discarded."""
-        if getattr(self, "_accumulator", None) is not None:
-            self._accumulator.reset()
-        return super().load_weights(*args, **kwargs)
-
-    @property
-    def accumulate_steps(self) -> int:
-        """Micro-batches per optimizer update (1 unless compiled with more)."""
-        accumulator = getattr(self, "_accumulator", None)
-        return 1 if accumulator is None else accumulator.steps
-
-    @property
-    def pending_micro_batches(self) -> int:
-        """Micro-batches accumulated since the last optimizer update (0 between updates)."""
-        accumulator = getattr(self, "_accumulator", None)
-        return 0 if accumulator is None else accumulator.pending
-
-    def make_train_function(self, force: bool = False):
-        if getattr(self, "_accumulator", None) is None:
-            return super().make_train_function(force)
-        if self.train_function is not None and not force:
-            return self.train_function
-        if self.steps_per_execution != 1:
-            raise ValueError("accumulate_steps > 1 needs steps_per_execution=1 (each call of "
-                             "the train function is one micro-batch)")
-        micro = self._make_function(lambda data: self._accumulator.micro_step(self, data))
-        self.train_function = self._accumulator.make_train_function(self, micro)
-        return self.train_function
 
     def get_config(self) -> dict:
         config = {"name": self.name, "trainable": self.trainable}

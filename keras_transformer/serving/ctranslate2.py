@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from keras_transformer.layers.embedding import sinusoidal_encoding
+
 # Rows of the position table: CTranslate2's default longest input (1024) and decoding (256).
 POSITIONS = 1024
 
@@ -39,8 +41,6 @@ def transformer_spec(model, tokenizer):
     """
     import sentencepiece as spm
     from ctranslate2.specs import common_spec, transformer_spec
-
-    from keras_transformer.layers.embedding import sinusoidal_encoding
 
     config = model.config
     if config.pre_norm:

@@ -2,8 +2,9 @@
 
 The paper's step holds ~25,000 source and 25,000 target tokens, over 8 GPUs (5.1, 5.2).
 With fewer devices the same step is had by accumulating: fairseq's `--update-freq`,
-OpenNMT-tf's `effective_batch_size`. `Transformer.compile(..., accumulate_steps=N)` turns
-it on, for `model.fit` as for `python -m keras_transformer.train --accumulate N`.
+OpenNMT-tf's `effective_batch_size`. `TransformerTrainer.compile(..., accumulate_steps=N)`
+(`keras_transformer.training.trainer_model`) turns it on, for `model.fit` as for
+`python -m keras_transformer.train --accumulate N`.
 
 The update is exactly that of one batch holding all N micro-batches of every replica:
 the loss is normalised by the target tokens of all of them, not a mean of N means.
@@ -35,8 +36,8 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 class GradientAccumulator:
     """Per-replica gradient accumulators and the train step that uses them.
 
-    Created by `Transformer.compile(accumulate_steps=N)` (under the strategy's scope, as
-    `compile` is); `Transformer.make_train_function` builds `fit`'s step from it.
+    Created by `TransformerTrainer.compile(accumulate_steps=N)` (under the strategy's scope,
+    as `compile` is); `TransformerTrainer.make_train_function` builds `fit`'s step from it.
 
     Args:
         model: the compiled model; its `loss` must have `sum_and_count(y_true, y_pred)`

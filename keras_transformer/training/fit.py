@@ -51,25 +51,26 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
 
     `cluster` is the `TF_CONFIG` cluster `strategy` spans; `budget` spreads each optimizer
     step over replicas and accumulated micro-batches; Keras steps are micro-batches, every
-    other count (schedule, checkpoints, resume) is of optimizer steps. `out` is the run directory (read for resuming), `home` where this
-    worker writes (`out` on the chief, a scratch folder on other workers), `started` when
-    the command started.
+    other count (schedule, checkpoints, resume) is of optimizer steps. `out` is the run
+    directory (read for resuming), `home` where this worker writes (`out` on the chief, a
+    scratch folder on other workers), `started` when the command started.
     """
-    keras.utils.set_random_seed(config.optimization.seed)
+    optimization, max_length = config.optimization, config.data.max_length
+    keras.utils.set_random_seed(optimization.seed)
     gpus = len(tf.config.list_logical_devices("GPU"))
-    precision = resolve_precision(config.optimization.precision, gpu_capabilities())
-    jit = resolve_jit(config.optimization.jit_compile, gpus)
+    precision = resolve_precision(optimization.precision, gpu_capabilities())
+    jit = resolve_jit(optimization.jit_compile, gpus)
     fused = not jit and fused_kernels() is not None  # XLA-compiled steps use TF ops
     replicas, accumulate = strategy.num_replicas_in_sync, budget.accumulate
     # XLA compiles one step per batch shape: coarser buckets, every batch padded to its
     # bucket's full shape (pipelines.batching.xla_bucket_boundaries).
-    shapes = dict(bucket_boundaries=xla_bucket_boundaries(config.data.max_length),
+    shapes = dict(bucket_boundaries=xla_bucket_boundaries(max_length),
                   static_shapes=True) if jit else {}
     if jit:
         record["train_batch_shapes"] = len(prepared.static_shapes(
-            budget.micro_batch, config.data.max_length, bucket_boundaries=shapes["bucket_boundaries"]))
-        _LOG.info(f"XLA: the training batches come in {record['train_batch_shapes']} shapes (each "
-            "compiled once)")
+            budget.micro_batch, max_length, bucket_boundaries=shapes["bucket_boundaries"]))
+        _LOG.info(f"XLA: the training batches come in {record['train_batch_shapes']} shapes "
+                  "(each compiled once)")
     tokenizer = prepared.tokenizer()
     record.update(precision=precision, jit_compile=jit, replicas=replicas,
                   step_budget={**dataclasses.asdict(budget),
@@ -79,18 +80,21 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
                             "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
                             "pairs": prepared.pairs, "shards": prepared.num_shards})
     check_same_settings({**record["identity"], **{key: record[key] for key in (
-        "precision", "jit_compile", "replicas", "step_budget")}}, cluster, config.cluster.join_timeout)
+        "precision", "jit_compile", "replicas", "step_budget")}}, cluster,
+        config.cluster.join_timeout)
     run_data.check_resumed_data(out, record)
     run_directory.write_json_atomic(home / run_directory.CONFIG_FILE, record)
 
     with strategy.scope():
         model = build_trainer(**record["model"], dtype=precision)
-        optimizer = paper_adam(model.config.d_model, config.optimization.warmup_steps, config.optimization.lr_scale)
+        optimizer = paper_adam(model.config.d_model, optimization.warmup_steps,
+                               optimization.lr_scale)
         if precision == "mixed_float16":  # steps skipped on overflow still count as steps
-            optimizer = LossScaleOptimizer(optimizer, initial_scale=config.optimization.initial_loss_scale)
+            optimizer = LossScaleOptimizer(optimizer,
+                                           initial_scale=optimization.initial_loss_scale)
         model.compile(
             optimizer=optimizer,
-            loss=GlobalTokenCrossEntropy(config.optimization.label_smoothing),
+            loss=GlobalTokenCrossEntropy(optimization.label_smoothing),
             metrics=[MaskedAccuracy(), Perplexity(), cb.TokenCount()],
             jit_compile=jit,
             accumulate_steps=accumulate,
@@ -114,7 +118,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     step = cb.global_step(model)
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
-                    max_length=config.data.max_length, seed=config.optimization.seed, **shapes)
+                    max_length=max_length, seed=optimization.seed, **shapes)
     contexts: list[tf.distribute.InputContext] = []
 
     def train_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -123,7 +127,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         # exactly where the interrupted one was, reading one shard (no replay).
         per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
         return prepared.batches(tokens_per_batch=budget.global_micro_batch,
-                                max_length=config.data.max_length, seed=config.optimization.seed,
+                                max_length=max_length, seed=optimization.seed,
                                 input_context=context,
                                 skip_batches=step * accumulate * per_pipeline, **shapes)
 
@@ -145,20 +149,23 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         lambda ctx: make_batches(corpora["val"], shuffle=False, input_context=ctx, **batching)
         .repeat().take(val_steps * per_pipeline))
 
-    if config.optimization.epochs:  # micro-batches of one replica per epoch, over replicas x accumulate
+    if optimization.epochs:  # micro-batches of one replica per epoch, / replicas x accumulate
         micro_batches = sum(len(ends) for ends in prepared.shard_batches(
-            budget.micro_batch, config.data.max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
-        max_steps = max(1, math.ceil(config.optimization.epochs * micro_batches / (replicas * accumulate)))
+            budget.micro_batch, max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
+        max_steps = max(1, math.ceil(optimization.epochs * micro_batches
+                                     / (replicas * accumulate)))
     else:
-        max_steps = config.optimization.max_steps or DEFAULT_MAX_STEPS
+        max_steps = optimization.max_steps or DEFAULT_MAX_STEPS
     validate_every = config.validate_every
     interval = math.gcd(config.output.checkpoint_every, validate_every)
-    stopper = cb.StopAt(max_steps, config.optimization.max_minutes * 60 if config.optimization.max_minutes else None,
+    max_seconds = optimization.max_minutes * 60 if optimization.max_minutes else None
+    stopper = cb.StopAt(max_steps, max_seconds,
                         elapsed_before=float(state.get("elapsed_seconds", 0.0)))
     throughput = cb.ThroughputLogger()
     checkpointer = cb.RunCheckpointer(
-        home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR, config.output.checkpoint_every,
-        keep=config.evaluation.average_last, patience=config.evaluation.patience, stopper=stopper, state=state)
+        home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR,
+        config.output.checkpoint_every, keep=config.evaluation.average_last,
+        patience=config.evaluation.patience, stopper=stopper, state=state)
     (home / run_directory.LOG_DIR).mkdir(parents=True, exist_ok=True)
     callbacks = [cb.FirstStepTimer(started, _LOG.info), stopper, throughput, checkpointer,
                  cb.ProgressLog(stopper, _LOG.info),
@@ -172,10 +179,11 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     # Last: every stop is taken by all workers together, between optimizer updates.
     agree = any_worker(strategy) or bool
     callbacks.append(cb.AgreedStop(agree, stopper))
-    limit = f"{max_steps:,} steps" + (f" or {config.optimization.max_minutes:g} min" if config.optimization.max_minutes
-                                      else "")
-    _LOG.info(f"training {model.count_params():,} parameters ({config.model.preset} preset, vocabulary "
-              f"{tokenizer.vocab_size}) on {prepared.pairs:,} pairs: {budget.describe()}; "
+    limit = f"{max_steps:,} steps" + (f" or {optimization.max_minutes:g} min"
+                                      if optimization.max_minutes else "")
+    _LOG.info(f"training {model.count_params():,} parameters ({config.model.preset} preset, "
+              f"vocabulary {tokenizer.vocab_size}) on {prepared.pairs:,} pairs: "
+              f"{budget.describe()}; "
               f"{precision}, XLA {'on' if jit else 'off'}; " + (
                   f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")
               + f"; a line every {interval} steps")

@@ -33,6 +33,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """`keras.optimizers.LossScaleOptimizer` counting skipped updates as steps, with one skip
     decision for all replicas (see the module docstring). Same arguments.
 
+    `TransformerTrainer.compile` (`keras_transformer.training.trainer_model`) wraps its
+    optimizer in one under mixed_float16, instead of Keras' own.
+
     Attributes:
         skipped_updates: int variable, updates skipped for non-finite gradients.
         iterations: steps, skipped ones included (the inner optimizer's count).

@@ -40,7 +40,7 @@ def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
 
 def gpu_capabilities() -> list[tuple[int, int]]:
     """Compute capability (major, minor) of each visible GPU; (0, 0) where TF cannot tell."""
-    import tensorflow as tf
+    import tensorflow as tf  # here: the flags read this module's choices without TensorFlow
 
     found = []
     for gpu in tf.config.list_physical_devices("GPU"):

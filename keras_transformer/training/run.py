@@ -244,18 +244,20 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         corpora: "val" and optionally "test" `ParallelCorpus` objects.
         outcome: what `keras_transformer.training.fit.train_model` returned.
     """
-    run = Path(config.output.out)
+    run, evaluation = Path(config.output.out), config.evaluation
     started = time.perf_counter()
     tokenizer = SubwordTokenizer.load(run / run_directory.TOKENIZER_DIR)
     # The saved model is float32 whatever the training precision (the weights were float32
     # anyway): decoding and serving should not inherit a training-only choice.
     model = build_transformer(**record["model"])
     # Built once (tokenized once), iterated once per candidate.
-    val_batches = make_batches(corpora["val"], tokenizer, tokens_per_batch=config.batches.tokens_per_batch,
+    val_batches = make_batches(corpora["val"], tokenizer,
+                               tokens_per_batch=config.batches.tokens_per_batch,
                                max_length=config.data.max_length, shuffle=False)
+    smoothing = config.optimization.label_smoothing
     choice = choose_final_weights(
-        model, run / run_directory.CHECKPOINT_DIR, outcome["best_step"], config.evaluation.average_last,
-        lambda candidate: validation_loss(candidate, val_batches, config.optimization.label_smoothing))
+        model, run / run_directory.CHECKPOINT_DIR, outcome["best_step"], evaluation.average_last,
+        lambda candidate: validation_loss(candidate, val_batches, smoothing))
     model.save(run / run_directory.MODEL_FILE)
     results: dict[str, Any] = {
         "steps": outcome["step"], "stop_reason": outcome["reason"],
@@ -273,19 +275,21 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     if test is not None:
         limit = config.data.test_limit or len(test)
         sources, references = test.sources[:limit], test.targets[:limit]
-        _LOG.info(f"translating {len(sources)} {test.split} sentences (beam {config.evaluation.beam}) ...")
-        hypotheses = translate_texts(model, tokenizer, sources, beam_size=config.evaluation.beam,
-                                     alpha=config.evaluation.alpha)
+        _LOG.info(f"translating {len(sources)} {test.split} sentences (beam {evaluation.beam}) "
+                  "...")
+        hypotheses = translate_texts(model, tokenizer, sources, beam_size=evaluation.beam,
+                                     alpha=evaluation.alpha)
         scores = score_translations(hypotheses, references)
         (run / "test.hyp.txt").write_text("".join(line + "\n" for line in hypotheses))
         results.update(scores, test_split=test.split, test_sentences=len(sources),
-                       beam=config.evaluation.beam, alpha=config.evaluation.alpha)
+                       beam=evaluation.beam, alpha=evaluation.alpha)
     results["export"] = None
     if not config.output.no_export:
         base = (Path(config.output.export_dir) if config.output.export_dir
                 else Path("saved_models") / Path(config.output.out).name)
-        results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=config.evaluation.beam,
-                                                   alpha=config.evaluation.alpha))
+        results["export"] = str(export_saved_model(model, tokenizer, base,
+                                                   beam_size=evaluation.beam,
+                                                   alpha=evaluation.alpha))
     results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
     run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, results)
     summarize(run, results)
@@ -295,14 +299,15 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
 def summarize(run: Path, results: dict[str, Any]) -> None:
     """The one-screen summary at the end of a run."""
     line = "=" * 78
-    _LOG.info(f"\n{line}\ntrained {results['steps']} steps in {results['training_seconds'] / 60:.1f} "
-        f"min ({results['stop_reason']}); {results['tokens_per_sec']:.0f} target tokens/s, "
+    _LOG.info(f"\n{line}\ntrained {results['steps']} steps in "
+        f"{results['training_seconds'] / 60:.1f} min ({results['stop_reason']}); "
+        f"{results['tokens_per_sec']:.0f} target tokens/s, "
         f"{results['replicas']} replica(s), {results['precision']}, "
         f"XLA {'on' if results['jit_compile'] else 'off'}, fused kernels "
         f"{'on' if results['fused_kernels'] else 'off'}")
     if results.get("skipped_updates") is not None:
-        _LOG.info(f"loss scaling: {results['skipped_updates']} of {results['steps']} updates skipped "
-            f"for overflow (each still counted as a step); final loss scale "
+        _LOG.info(f"loss scaling: {results['skipped_updates']} of {results['steps']} updates "
+            f"skipped for overflow (each still counted as a step); final loss scale "
             f"{results['loss_scale']:g}")
     if results["best_val_loss"] is not None:
         _LOG.info(f"validation loss (Keras metric, batch means averaged): best "

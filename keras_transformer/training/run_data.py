@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keras_transformer import run_directory
+from keras_transformer.cluster.workers import wait_for_all
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import TrainConfig
+from pipelines.corpora import CorpusError, load_corpus, open_corpus, scan_corpus
+from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError, prepare_corpus
+from pipelines.tokenizer import SubwordTokenizer
 
 # How long a non-chief worker waits for the chief to prepare the training data.
 PREPARE_WAIT_SECONDS = 3 * 3600
@@ -30,23 +34,21 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
     data were prepared elsewhere (--prepared): its `UsageError` is kept as "train_error",
     raised only if the data must be prepared.
     """
-    from pipelines.corpora import CorpusError, load_corpus, open_corpus
-
+    data = config.data
+    where = dict(data_dir=data.data_dir, manual_dir=data.manual_dir)
     corpora: dict[str, Any] = {"train": None}
     try:
-        corpora["train"] = open_corpus(config.data.data, config.data.train_split, config.data.src, config.data.tgt,
-                                       data_dir=config.data.data_dir, manual_dir=config.data.manual_dir)
+        corpora["train"] = open_corpus(data.data, data.train_split, data.src, data.tgt, **where)
     except CorpusError as error:
-        if not config.data.prepared:
+        if not data.prepared:
             raise UsageError(f"train data: {error}") from None
         corpora["train_error"] = UsageError(f"train data: {error}")
-    splits = {"val": config.data.val_split}
-    if config.data.test_split.lower() != "none":
-        splits["test"] = config.data.test_split
+    splits = {"val": data.val_split}
+    if data.test_split.lower() != "none":
+        splits["test"] = data.test_split
     for role, split in splits.items():
         try:
-            corpora[role] = load_corpus(config.data.data, split, config.data.src, config.data.tgt,
-                                        data_dir=config.data.data_dir, manual_dir=config.data.manual_dir)
+            corpora[role] = load_corpus(data.data, split, data.src, data.tgt, **where)
         except CorpusError as error:
             raise UsageError(f"{role} data: {error}") from None
     return corpora
@@ -54,7 +56,9 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
 
 def prepared_dir(config: TrainConfig) -> Path:
     """Where the prepared training data live: --prepared, else <run>/prepared."""
-    return Path(config.data.prepared) if config.data.prepared else Path(config.output.out) / run_directory.PREPARED_DIR
+    if config.data.prepared:
+        return Path(config.data.prepared)
+    return Path(config.output.out) / run_directory.PREPARED_DIR
 
 
 def check_prepared(config: TrainConfig, prepared) -> None:
@@ -66,8 +70,6 @@ def check_prepared(config: TrainConfig, prepared) -> None:
     Raises:
         UsageError: naming each difference.
     """
-    from pipelines.prepared import PreparedError
-
     try:
         prepared.check_settings({"src_lang": config.data.src, "tgt_lang": config.data.tgt,
                                  "vocab_size": config.data.vocab_size,
@@ -88,8 +90,6 @@ def find_prepared(config: TrainConfig, corpora: dict[str, Any],
         UsageError: prepared data made with other settings, or from files changed since, or
             none and no train split to prepare them from.
     """
-    from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError
-
     directory = prepared_dir(config)
     inside_run = not config.data.prepared
     if inside_run and will_overwrite:
@@ -114,11 +114,10 @@ def find_prepared(config: TrainConfig, corpora: dict[str, Any],
 def scan_training_text(config: TrainConfig, train_split: CorpusSplit,
                        report: Callable[[str], None]) -> CorpusScan:
     """The one validating pass over the training text (`pipelines.corpora.scan_corpus`)."""
-    from pipelines.corpora import CorpusError, scan_corpus
-
     report(f"validating and sampling the training split of {config.data.data} ...")
     try:
-        return scan_corpus(train_split, sample_pairs=config.data.tokenizer_sample, seed=config.optimization.seed)
+        return scan_corpus(train_split, sample_pairs=config.data.tokenizer_sample,
+                           seed=config.optimization.seed)
     except CorpusError as error:
         raise UsageError(f"train data: {error}") from None
 
@@ -137,16 +136,14 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
             this worker, or there are fewer shards than workers.
         ClusterFailure: a worker was lost, or the chief took longer than the wait.
     """
-    from keras_transformer.cluster.workers import wait_for_all
-    from pipelines.prepared import PreparedCorpus, PreparedError, prepare_corpus
-
     directory = prepared_dir(config)
     if prepared is None and cluster.is_chief:
         report(f"preparing {scan.pairs:,} training pairs into {directory} (once) ...")
         try:
+            data = config.data
             prepared = prepare_corpus(
-                train_split, directory, vocab_size=config.data.vocab_size, max_length=config.data.max_length,
-                tokenizer_sample=config.data.tokenizer_sample, shard_pairs=config.data.shard_pairs,
+                train_split, directory, vocab_size=data.vocab_size, max_length=data.max_length,
+                tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
                 min_shards=cluster.num_workers, seed=config.optimization.seed, scan=scan)
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
@@ -174,8 +171,6 @@ def copy_tokenizer(prepared: PreparedCorpus, home: Path) -> None:
     Raises:
         UsageError: the run directory already holds a different tokenizer.
     """
-    from pipelines.tokenizer import SubwordTokenizer
-
     tokenizer = prepared.tokenizer()
     run_tokenizer = home / run_directory.TOKENIZER_DIR
     if (run_tokenizer / "spm.model").is_file():

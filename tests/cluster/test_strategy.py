@@ -29,8 +29,8 @@ EQUIVALENCE = textwrap.dedent(
     from keras_transformer.cluster.keras_patches import build_for_distributed_fit
     from keras_transformer.training.losses import GlobalTokenCrossEntropy
     from keras_transformer.training.losses import LabelSmoothedCrossEntropy
-    from keras_transformer.model.transformer import build_transformer
     from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
 
     rng = np.random.default_rng(0)
     STEPS, VOCAB = 4, 40
@@ -54,7 +54,7 @@ EQUIVALENCE = textwrap.dedent(
     def train(strategy, loss_class):
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            model = build_transformer("tiny", vocab_size=VOCAB)
+            model = build_trainer("tiny", vocab_size=VOCAB)
             model.compile(paper_adam(32, 4, 1.0), loss=loss_class(0.1))
         if strategy.num_replicas_in_sync == 1:
             def batches():

@@ -18,10 +18,10 @@ import sacrebleu
 import sentencepiece as spm
 
 from keras_transformer.decoding.translator import translate_texts
-from keras_transformer.model.transformer import build_transformer
 from keras_transformer.serving.ctranslate2 import export_ctranslate2, translate_with_ctranslate2
 from keras_transformer.training.losses import LabelSmoothedCrossEntropy
 from keras_transformer.training.optimizer import paper_adam
+from keras_transformer.training.trainer_model import build_trainer
 from pipelines.batching import make_batches
 from pipelines.corpora import load_corpus
 from pipelines.tokenizer import train_tokenizer
@@ -41,7 +41,7 @@ def trained(multi30k_dir, tmp_path_factory):
     tokenizer = train_tokenizer(train.sources + train.targets, folder / "tokenizer",
                                 vocab_size=2000)
     keras.utils.set_random_seed(0)
-    model = build_transformer("tiny", vocab_size=tokenizer.vocab_size, d_model=64, d_ff=256)
+    model = build_trainer("tiny", vocab_size=tokenizer.vocab_size, d_model=64, d_ff=256)
     model.compile(optimizer=paper_adam(64, warmup_steps=100),
                   loss=LabelSmoothedCrossEntropy(0.1))
     batches = make_batches(train, tokenizer, tokens_per_batch=2048, repeat=True)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training.losses import LabelSmoothedCrossEntropy
 from keras_transformer.training.optimizer import paper_adam
+from keras_transformer.training.trainer_model import build_trainer
 from tests.cli.test_train import REPO, cli_env
 
 VOCAB = 40
@@ -63,7 +63,7 @@ def _micro_batches(updates):
 def _train(updates, accumulate: int, optimizer, precision=None, keras_accumulation=False):
     """Weights after fitting `updates` (as micro-batches if accumulate > 1)."""
     keras.utils.set_random_seed(0)
-    model = build_transformer("tiny", vocab_size=VOCAB, dtype=precision)
+    model = build_trainer("tiny", vocab_size=VOCAB, dtype=precision)
     if keras_accumulation:  # keras' own: the mean of the micro-batches' means
         optimizer.gradient_accumulation_steps = accumulate
         model.compile(optimizer, loss=LabelSmoothedCrossEntropy(0.1))
@@ -125,7 +125,7 @@ def test_accumulated_gradient_is_the_token_mean_over_all_micro_batches(precision
 def test_no_update_before_the_last_micro_batch_of_a_step():
     updates = _updates(1, seed=2)
     keras.utils.set_random_seed(0)
-    model = build_transformer("tiny", vocab_size=VOCAB)
+    model = build_trainer("tiny", vocab_size=VOCAB)
     model.compile(paper_adam(32, 4, 1.0), loss=LabelSmoothedCrossEntropy(0.1),
                   accumulate_steps=len(SHAPES))
     initial = [w.numpy() for w in model.trainable_weights]
@@ -148,12 +148,12 @@ def test_each_fit_and_each_weight_load_starts_a_fresh_update():
         model.fit(data, epochs=1, steps_per_epoch=len(batches), verbose=0)
 
     keras.utils.set_random_seed(0)
-    fresh = build_transformer("tiny", vocab_size=VOCAB)
+    fresh = build_trainer("tiny", vocab_size=VOCAB)
     fresh.compile(paper_adam(32, 4, 1.0), loss=LabelSmoothedCrossEntropy(0.1), accumulate_steps=2)
     initial = fresh.get_weights()
     fitted(fresh, micro[1:3])
     keras.utils.set_random_seed(0)
-    model = build_transformer("tiny", vocab_size=VOCAB)
+    model = build_trainer("tiny", vocab_size=VOCAB)
     model.compile(paper_adam(32, 4, 1.0), loss=LabelSmoothedCrossEntropy(0.1), accumulate_steps=2)
     fitted(model, micro[:1])  # half an update, never applied
     assert all(np.array_equal(a, b) for a, b in zip(initial, model.get_weights(), strict=True))
@@ -162,7 +162,7 @@ def test_each_fit_and_each_weight_load_starts_a_fresh_update():
 
 
 def test_compile_refuses_what_accumulation_cannot_do():
-    model = build_transformer("tiny", vocab_size=VOCAB)
+    model = build_trainer("tiny", vocab_size=VOCAB)
     for steps in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="accumulate_steps"):
             model.compile(paper_adam(32), loss=LabelSmoothedCrossEntropy(), accumulate_steps=steps)
@@ -192,7 +192,7 @@ def compare_with_one_device(strategy, share) -> dict:
     def train(strategy, accumulate):
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            model = build_transformer("tiny", vocab_size=VOCAB)
+            model = build_trainer("tiny", vocab_size=VOCAB)
             model.compile(paper_adam(32, 4, 1.0), loss=GlobalTokenCrossEntropy(0.1),
                           accumulate_steps=accumulate)
         if accumulate == 1:
@@ -277,7 +277,7 @@ def test_a_compiled_model_reloads_compiled_without_warnings(tmp_path):
     from keras_transformer.training.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
     from keras_transformer.training.optimizer import FusedAdam, paper_adam
 
-    model = build_transformer("tiny", vocab_size=50)
+    model = build_trainer("tiny", vocab_size=50)
     model.compile(optimizer=paper_adam(32, 100), loss=LabelSmoothedCrossEntropy(0.1),
                   metrics=[MaskedAccuracy()], accumulate_steps=2)
     features = {"source": np.ones((2, 5), "int32"), "target": np.ones((2, 4), "int32")}

@@ -120,12 +120,12 @@ def test_workers_skip_an_overflow_on_either_of_them_together(tmp_path):
 
 
 def test_a_float16_model_compiles_with_the_step_counting_loss_scaling():
-    from keras_transformer.model.transformer import build_transformer
     from keras_transformer.training.loss_scaling import LossScaleOptimizer
     from keras_transformer.training.losses import LabelSmoothedCrossEntropy
     from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
 
-    model = build_transformer("tiny", vocab_size=40, dtype="mixed_float16")
+    model = build_trainer("tiny", vocab_size=40, dtype="mixed_float16")
     model.compile(paper_adam(32), loss=LabelSmoothedCrossEntropy(0.1), accumulate_steps=2)
     assert isinstance(model.optimizer, LossScaleOptimizer)
     own = LossScaleOptimizer(paper_adam(32), initial_scale=8.0)

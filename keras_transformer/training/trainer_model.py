@@ -1,0 +1,148 @@
+"""5 Training: the `Transformer` with this project's training step, as a subclass.
+
+`TransformerTrainer` is the model `python -m keras_transformer.train` fits. On top of Keras'
+own `compile`/`fit` it adds gradient accumulation (5.1's ~25,000-token steps on fewer devices:
+`keras_transformer.training.accumulation`) and, under mixed_float16, a loss scaling whose
+skipped updates still count as steps and whose replicas skip together
+(`keras_transformer.training.loss_scaling`).
+
+Why a subclass and not a wrapper around a `Transformer`: it has the very same layers, so the
+same weight paths. A checkpoint written by either class loads into the other, decoding and
+export (`translate_texts`, SavedModel, CTranslate2) take it as a `Transformer`, and its own
+`.keras` file reloads compiled. The split is keras-hub's (a backbone holds the architecture,
+a task owns `compile` and the train step) and Keras' own (`keras.Model` is a `Layer` plus a
+`Trainer`): `keras_transformer.model` holds the architecture and imports nothing of training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras_transformer.model.config import transformer_config
+from keras_transformer.model.transformer import Transformer
+from keras_transformer.training.accumulation import GradientAccumulator
+from keras_transformer.training.loss_scaling import LossScaleOptimizer
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class TransformerTrainer(Transformer):
+    """A `Transformer` whose `compile` takes `accumulate_steps` and which, under
+    mixed_float16, scales its loss with `keras_transformer.training.loss_scaling`.
+
+    Args: as `Transformer` (the fields of `TransformerConfig`, `dtype` and the usual
+        `keras.Model` kwargs); `build_trainer` builds one from a preset.
+
+    Inputs:
+        {"source": int32 (batch, source_length), "target": int32 (batch, target_length)}, the
+        target being shifted right (BOS first). Id 0 is padding.
+
+    Outputs:
+        float32 logits (batch, target_length, vocab_size), whatever the compute dtype.
+    """
+
+    def get_compile_config(self) -> dict[str, Any]:
+        """`keras.Model.get_compile_config`, plus `accumulate_steps`."""
+        config = super().get_compile_config()
+        if config and getattr(self, "_accumulator", None) is not None:
+            config["accumulate_steps"] = self._accumulator.steps
+        return config
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compiles a loaded model as it was saved (Keras' own skips a custom `compile`)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def compile(self, *args, accumulate_steps: int = 1, **kwargs) -> None:
+        """`keras.Model.compile`, plus gradient accumulation for `fit`.
+
+        Under mixed_float16 (unless `auto_scale_loss=False`), an optimizer that is not a
+        `keras.optimizers.LossScaleOptimizer` is wrapped in our `LossScaleOptimizer`.
+
+        Args:
+            accumulate_steps: micro-batches per optimizer update (fairseq's
+                `--update-freq`); see `keras_transformer.training.accumulation`. With N > 1
+                the loss must be a `LabelSmoothedCrossEntropy` (it normalises by the tokens of
+                all N micro-batches), and `fit`'s steps are micro-batches while the
+                optimizer's `iterations` count updates.
+            *args, **kwargs: as `keras.Model.compile`.
+        """
+        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or (
+                accumulate_steps < 1):
+            raise ValueError(f"accumulate_steps must be a positive integer, got "
+                             f"{accumulate_steps!r}")
+        self._accumulator = None
+        if args and "optimizer" in kwargs:
+            raise TypeError("compile() got the optimizer both by position and by keyword")
+        optimizer = keras.optimizers.get(kwargs.pop("optimizer", args[0] if args else "rmsprop"))
+        if (self.dtype_policy.name == "mixed_float16" and kwargs.get("auto_scale_loss", True)
+                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+            # Instead of keras' own (which compile would add): skipped updates count as
+            # steps and replicas skip together (keras_transformer.training.loss_scaling).
+            optimizer = LossScaleOptimizer(optimizer)
+        super().compile(optimizer, *args[1:], **kwargs)
+        if accumulate_steps > 1:
+            self._accumulator = GradientAccumulator(self, accumulate_steps)
+
+    def fit(self, *args, **kwargs):
+        """`keras.Model.fit`; with `accumulate_steps` > 1 each `fit` starts a fresh update.
+
+        A `tf.data.Dataset` is shuffled by its pipeline (`make_batches`), so `shuffle`
+        defaults to False for one (Keras would warn that it ignores its default True).
+        """
+        if getattr(self, "_accumulator", None) is not None:
+            self._accumulator.reset()
+        data = args[0] if args else kwargs.get("x")
+        if isinstance(data, tf.data.Dataset | tf.distribute.DistributedDataset):
+            kwargs.setdefault("shuffle", False)
+        return super().fit(*args, **kwargs)
+
+    def load_weights(self, *args, **kwargs):
+        """`keras.Model.load_weights`; a partly accumulated update is discarded."""
+        if getattr(self, "_accumulator", None) is not None:
+            self._accumulator.reset()
+        return super().load_weights(*args, **kwargs)
+
+    @property
+    def accumulate_steps(self) -> int:
+        """Micro-batches per optimizer update (1 unless compiled with more)."""
+        accumulator = getattr(self, "_accumulator", None)
+        return 1 if accumulator is None else accumulator.steps
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches accumulated since the last optimizer update (0 between updates)."""
+        accumulator = getattr(self, "_accumulator", None)
+        return 0 if accumulator is None else accumulator.pending
+
+    def make_train_function(self, force: bool = False):
+        """Keras' train function, or with `accumulate_steps` > 1 one call per micro-batch
+        (`GradientAccumulator.make_train_function`)."""
+        if getattr(self, "_accumulator", None) is None:
+            return super().make_train_function(force)
+        if self.train_function is not None and not force:
+            return self.train_function
+        if self.steps_per_execution != 1:
+            raise ValueError("accumulate_steps > 1 needs steps_per_execution=1 (each call of "
+                             "the train function is one micro-batch)")
+        micro = self._make_function(lambda data: self._accumulator.micro_step(self, data))
+        self.train_function = self._accumulator.make_train_function(self, micro)
+        return self.train_function
+
+
+def build_trainer(preset: str = "base", dtype=None, **overrides: Any) -> TransformerTrainer:
+    """Builds a `TransformerTrainer` from a preset and overrides, as `build_transformer`.
+
+    Example:
+        model = build_trainer("small", vocab_size=8000, dtype="mixed_float16")
+        model.compile(paper_adam(256), loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=4)
+
+    Raises:
+        ValueError: unknown preset or field, d_model not divisible by num_heads, vocab < 4, ...
+    """
+    config = transformer_config(preset, **overrides)
+    return TransformerTrainer(**dataclasses.asdict(config), dtype=dtype)
