@@ -18,6 +18,7 @@ from keras_transformer.flags import build_train_parser
 from keras_transformer.run_directory import load_run
 from keras_transformer.train import main
 from keras_transformer.training.checkpoints import average_checkpoints
+from keras_transformer.training.config import config_from_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -177,6 +178,8 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
     assert (arguments["recipe"], arguments["dropout"], arguments["warmup_steps"],
             arguments["lr_scale"], arguments["preset"], arguments["max_steps"]) == (
         "multi30k", 0.2, 1000, 0.5, "tiny", 30)
+    # It is the run's TrainConfig serialized: it rebuilds the same settings.
+    assert config_from_flags(arguments).flags() == arguments
     assert 0.0 <= results["bleu"] <= 100.0 and "tok:13a" in results["bleu_signature"]
     assert results["best_val_loss"] is not None
     for name in ("model.keras", "config.json", "tokenizer", "logs/metrics.csv",
