@@ -4,13 +4,20 @@ steps, through the public API only."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
 
 import keras_transformer
-from tests.cli.test_train import REPO
+from keras_transformer.flags import parse_train_args
+from keras_transformer.training.config import setting_fields
+from tests.cli.test_train import REPO, cli_env
 
 NOTEBOOK = REPO / "notebooks" / "multi30k.ipynb"
 
@@ -27,8 +34,14 @@ STEPS_PER_EPOCH = 10
 WARMUP = 10
 TEST_SENTENCES = 20
 STRATEGY_STEPS = 2
+RUN_STEPS = 20
+RUN_CHECKPOINT_EVERY = 10
+RUN_AVERAGE_LAST = 2
 VERBOSE = 2
 """
+
+# What may differ between two runs of the same settings: timings and where the export went.
+TIMINGS_AND_PATHS = ("training_seconds", "tokens_per_sec", "evaluation_seconds", "export")
 
 
 # "UserWarning: ...", "DeprecationWarning", "WARNING:absl:...", "WARNING:tensorflow:...".
@@ -83,6 +96,11 @@ def check_outputs(notebook: nbformat.NotebookNode) -> None:
     assert re.search(r"\d+ steps in [\d.]+ min", fit), fit
     mirrored = text_outputs(cell_with(notebook, "tf.distribute.MirroredStrategy()"))
     assert "optimizer steps under MirroredStrategy" in mirrored, mirrored
+    run = text_outputs(cell_with(notebook, "kt.run_training("))
+    assert re.search(r"^kt\.run_training: \d+ steps \(.+\), BLEU \d+\.\d\d, chrF \d+\.\d\d",
+                     run, re.MULTILINE), run
+    assert re.search(r"^  python -m keras_transformer\.train --recipe multi30k --data ", run,
+                     re.MULTILINE), run
     images = [output for cell in code for output in cell.outputs
               if "image/png" in output.get("data", {})]
     assert len(images) == 3, "learning-rate schedule, training history and attention plots"
@@ -99,7 +117,8 @@ def test_notebook_uses_only_the_public_api():
     params = notebook.cells[parameters_index(notebook)].source
     for name in ("DATA", "WORK", "PRESET", "VOCAB_SIZE", "TOKENS_PER_BATCH", "MAX_LENGTH",
                  "STEPS", "STEPS_PER_EPOCH", "WARMUP", "LR_SCALE", "DROPOUT",
-                 "LABEL_SMOOTHING", "TEST_SENTENCES", "STRATEGY_STEPS"):
+                 "LABEL_SMOOTHING", "TEST_SENTENCES", "STRATEGY_STEPS", "RUN_STEPS",
+                 "RUN_CHECKPOINT_EVERY", "RUN_AVERAGE_LAST"):
         assert re.search(rf"^{name} = ", params, re.MULTILINE), name
 
 
@@ -117,6 +136,10 @@ def test_committed_notebook_carries_a_full_run():
     bleu = text_outputs(cell_with(notebook, "kt.score_translations"))
     assert "1000 test sentences translated" in bleu, bleu
     assert float(re.search(r"BLEU (\d+\.\d+)", bleu).group(1)) > 10.0, bleu
+    run_steps = int(re.search(r"^RUN_STEPS = (\d+)", params, re.MULTILINE).group(1))
+    run = text_outputs(cell_with(notebook, "kt.run_training("))
+    assert f"kt.run_training: {run_steps} steps " in run, run
+    assert "on 1000 test sentences" in run, run
     # Small enough to review and to keep in git.
     assert NOTEBOOK.stat().st_size < 300_000
 
@@ -132,10 +155,52 @@ def test_notebook_runs_end_to_end(multi30k_dir, tmp_path):
             cell.outputs, cell.execution_count = [], None
     shrink = SHRINK.format(data=str(multi30k_dir), work=str(tmp_path / "work"))
     notebook.cells.insert(parameters_index(notebook) + 1, nbformat.v4.new_code_cell(shrink))
-    client = NotebookClient(notebook, kernel_name="python3", timeout=300,
+    client = NotebookClient(notebook, kernel_name="python3", timeout=600,
                             coalesce_streams=True,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute()
     check_outputs(notebook)
     assert (tmp_path / "work" / "model.keras").is_file()
     assert (tmp_path / "work" / "saved_model" / "1" / "saved_model.pb").is_file()
+
+    # Section 10's kt.run_training is the train command: the same settings, given as flags
+    # (the recipe, and every value config.json recorded), train to the same results. Only the
+    # run and export directories differ; the prepared data is the notebook run's.
+    run = tmp_path / "work" / "run"
+    arguments = json.loads((run / "config.json").read_text())["arguments"]
+    assert arguments["prepared"] == str(tmp_path / "work" / "prepared")
+    settings = {**arguments, "out": str(tmp_path / "cli_run"),
+                "export_dir": str(tmp_path / "cli_saved_model")}
+    argv = train_argv(settings)
+    assert parse_train_args(argv)[0].flags() == settings
+    command = subprocess.run([sys.executable, "-m", "keras_transformer.train", *argv],
+                             cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                             timeout=1200)
+    assert command.returncode == 0, command.stdout + command.stderr
+    assert "training pairs into" not in command.stdout, "the prepared data were made again"
+    notebook_results = json.loads((run / "results.json").read_text())
+    cli_results = json.loads((tmp_path / "cli_run" / "results.json").read_text())
+    assert Path(cli_results["export"]).parent == tmp_path / "cli_saved_model"
+    for results in (notebook_results, cli_results):
+        for key in TIMINGS_AND_PATHS:
+            del results[key]
+    assert notebook_results["bleu"] is not None and notebook_results["test_sentences"] == 20
+    assert cli_results == notebook_results
+
+
+def train_argv(arguments: dict[str, Any]) -> list[str]:
+    """`python -m keras_transformer.train`'s argv for config.json's "arguments": `--flag value`
+    for each setting, a true boolean as a bare flag (a false one with a default of None as
+    `--no-flag`), unset (None) ones left out."""
+    defaults = {field.name: field.default for _, _, field in setting_fields()}
+    argv = []
+    for name, value in arguments.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            if defaults[name] is None:
+                argv.append("--no-" + name.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

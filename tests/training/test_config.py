@@ -13,6 +13,7 @@ from keras_transformer.errors import UsageError
 from keras_transformer.flags import build_train_parser, parse_train_args
 from keras_transformer.training.config import (
     COMPONENTS,
+    BatchConfig,
     TrainConfig,
     config_from_flags,
     setting_fields,
@@ -90,3 +91,31 @@ def test_every_setting_is_a_flag_with_help_and_each_component_a_group():
     titles = [group.title for group in parser._action_groups]
     assert len(titles) == 2 + len(COMPONENTS)  # argparse's own two, then one per component
     assert [field.name for field in dataclasses.fields(TrainConfig)][:2] == ["data", "output"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "replicas", "expected"),
+    [
+        # The paper's step on 1, 2 and 8 devices with the same flags: ~25,000 tokens.
+        (dict(tokens_per_step=25000), 1, (3571, 7, 24997)),
+        (dict(tokens_per_step=25000), 2, (3125, 4, 25000)),
+        (dict(tokens_per_step=25000), 8, (3125, 1, 25000)),
+        (dict(accumulate=4), 2, (4096, 4, 32768)),
+        (dict(), 8, (4096, 1, 32768)),
+    ],
+)
+def test_step_budget_spreads_a_step_over_replicas_and_micro_batches(flags, replicas, expected):
+    batches = BatchConfig(**{"tokens_per_batch": 4096, "tokens_per_step": None,
+                             "accumulate": None, **flags})
+    budget = batches.budget(replicas, max_length=128)
+    assert (budget.micro_batch, budget.accumulate, budget.tokens_per_step) == expected
+    assert budget.replicas == replicas
+    assert budget.global_micro_batch == budget.micro_batch * replicas
+
+
+def test_step_budget_refuses_micro_batches_below_max_length_naming_the_smallest_step():
+    batches = BatchConfig(tokens_per_batch=4096, tokens_per_step=200, accumulate=None)
+    with pytest.raises(UsageError, match="from 200 up on 2 replica.s. is 256"):
+        batches.budget(2, max_length=128)
+    batches.tokens_per_step = 256
+    assert batches.budget(2, max_length=128).micro_batch == 128

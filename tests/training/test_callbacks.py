@@ -1,0 +1,134 @@
+"""Training callbacks: the token counter, the step/time limit, the checkpointer (newest, best,
+early stopping) and the crash-safe backup."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from keras_transformer import run_directory
+from keras_transformer.training.callbacks import StopAt, TokenCount
+from keras_transformer.training.checkpoints import (
+    checkpoint_path,
+    list_checkpoints,
+)
+from keras_transformer.training.losses import GlobalTokenCrossEntropy, LabelSmoothedCrossEntropy
+
+
+def test_token_count_and_global_loss_on_one_device():
+    labels = np.array([[5, 6, 0, 0], [7, 0, 0, 0]], "int32")
+    logits = np.random.default_rng(0).normal(size=(2, 4, 10)).astype("float32")
+    counter = TokenCount()
+    counter.update_state(labels, logits)
+    counter.update_state(labels, logits)
+    assert float(counter.result()) == 6.0
+    # Outside a multi-replica context the global-token loss is the ordinary masked mean.
+    np.testing.assert_allclose(float(GlobalTokenCrossEntropy(0.1)(labels, logits)),
+                               float(LabelSmoothedCrossEntropy(0.1)(labels, logits)), rtol=1e-6)
+
+
+def test_stop_at_max_steps_and_time_budget():
+    class _Model:
+        stop_training = False
+
+        class optimizer:  # noqa: N801
+            class iterations:  # noqa: N801
+                value = 0
+
+                @classmethod
+                def numpy(cls):
+                    return cls.value
+
+    stopper = StopAt(max_steps=5, max_seconds=None)
+    stopper.set_model(_Model)
+    _Model.optimizer.iterations.value = 4
+    stopper.on_train_batch_end(0)
+    assert not _Model.stop_training
+    _Model.optimizer.iterations.value = 5
+    stopper.on_train_batch_end(0)
+    assert _Model.stop_training and "step limit 5" in stopper.reason
+    _Model.stop_training = False
+    budget = StopAt(max_steps=100, max_seconds=60, elapsed_before=61)  # resumed, budget used
+    budget.set_model(_Model)
+    budget.on_train_begin()
+    budget.on_train_batch_end(0)
+    assert _Model.stop_training and "max-minutes" in budget.reason
+
+
+def _compiled_tiny_model():
+    """A tiny model compiled with the paper's Adam, its optimizer state built (saveable)."""
+    from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
+
+    model = build_trainer("tiny", vocab_size=20)
+    model.compile(paper_adam(32, 10), loss=LabelSmoothedCrossEntropy())
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
+    from keras_transformer.training.callbacks import RunCheckpointer
+
+    model = _compiled_tiny_model()
+    stopper = StopAt(max_steps=1000, max_seconds=None)
+    checkpointer = RunCheckpointer(tmp_path / "ckpt", tmp_path / "backup", checkpoint_every=10,
+                                   keep=2, patience=2, stopper=stopper)
+    checkpointer.set_model(model)
+    for epoch, val_loss in enumerate([5.0, 4.0, 4.5, 4.2]):
+        model.optimizer.iterations.assign((epoch + 1) * 10)
+        checkpointer.on_epoch_end(epoch, {"loss": 1.0, "val_loss": val_loss})
+    # The newest 2, and those up to and around the best step (20), for averaging.
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [10, 20, 30, 40]
+    assert (tmp_path / "ckpt" / "best.weights.h5").is_file()
+    assert checkpointer.best_step == 20 and model.stop_training
+    assert "early stopping" in stopper.reason
+    state = json.loads((tmp_path / "backup" / "state.json").read_text())
+    assert state["step"] == 40 and state["best_val_loss"] == 4.0 and state["stopped_early"]
+    # NaN losses are never checkpointed.
+    model.stop_training = False
+    model.optimizer.iterations.assign(50)
+    checkpointer.on_epoch_end(4, {"loss": float("nan")})
+    assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
+
+
+@pytest.mark.parametrize("killed_after", ["state.next.json", "latest.weights.h5"])
+def test_a_backup_killed_between_its_files_still_pairs_weights_and_state(
+        tmp_path, monkeypatch, killed_after):
+    from keras_transformer.training import callbacks
+
+    model = _compiled_tiny_model()
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    model.optimizer.iterations.assign(10)
+    callbacks.write_backup(model, backup, {"step": 10, "best_step": 10})
+
+    # The next backup (step 20) is killed right after writing `killed_after`.
+    class Killed(Exception):
+        pass
+
+    def dies_after(write):
+        def wrapped(*args):
+            write(*args)
+            raise Killed
+
+        return wrapped
+
+    if killed_after == "state.next.json":
+        monkeypatch.setattr(callbacks.run_directory, "write_json_atomic",
+                            dies_after(run_directory.write_json_atomic))
+    else:
+        monkeypatch.setattr(callbacks, "save_training_state",
+                            dies_after(callbacks.save_training_state))
+    model.optimizer.iterations.assign(20)
+    with pytest.raises(Killed):
+        callbacks.write_backup(model, backup, {"step": 20, "best_step": 20})
+    monkeypatch.undo()
+
+    restored = _compiled_tiny_model()
+    restored.load_weights(backup / "latest.weights.h5")
+    step = int(restored.optimizer.iterations.numpy())
+    assert step == (10 if killed_after == "state.next.json" else 20)
+    assert callbacks.read_backup_state(backup, step) == {"step": step, "best_step": step}
+    assert callbacks.read_backup_state(backup, 30) is None
