@@ -1,0 +1,66 @@
+"""The layout of a run directory: what training should do with `--out` (`inspect_run_dir`),
+JSON written atomically, and `load_run` naming what is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keras_transformer import run_directory
+from keras_transformer.errors import UsageError
+from keras_transformer.run_directory import RunDirError, inspect_run_dir
+
+IDENTITY = {"data": "corpus", "src": "de", "tgt": "en", "model": {"d_model": 32}}
+
+
+def _run(tmp_path, identity=IDENTITY, finished=False):
+    run = tmp_path / "run"
+    run.mkdir()
+    run_directory.write_json_atomic(run / run_directory.CONFIG_FILE, {"identity": identity})
+    if finished:
+        run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, {"steps": 3})
+    return run
+
+
+def test_fresh_resume_and_finished(tmp_path):
+    assert inspect_run_dir(tmp_path / "absent", IDENTITY) == "fresh"
+    (tmp_path / "empty").mkdir()
+    assert inspect_run_dir(tmp_path / "empty", IDENTITY) == "fresh"
+    run = _run(tmp_path)
+    assert inspect_run_dir(run, IDENTITY) == "resume"
+    assert inspect_run_dir(run, IDENTITY, overwrite=True) == "fresh"
+    run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, {"steps": 3})
+    assert inspect_run_dir(run, IDENTITY) == "finished"
+
+
+def test_refusals_name_the_folder_and_the_way_out(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunDirError, match="is not a directory"):
+        inspect_run_dir(tmp_path / "file", IDENTITY)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(RunDirError, match="not a training run"):
+        inspect_run_dir(tmp_path / "mine", IDENTITY)
+    with pytest.raises(RunDirError, match="no run to resume"):
+        inspect_run_dir(tmp_path / "absent", IDENTITY, resume=True)
+    run = _run(tmp_path)
+    with pytest.raises(RunDirError, match=r"different settings \(src\).*--overwrite"):
+        inspect_run_dir(run, {**IDENTITY, "src": "fr"})
+    assert issubclass(RunDirError, UsageError)  # one line, exit status 2, in the command
+
+
+def test_json_is_replaced_whole_and_reads_back(tmp_path):
+    path = tmp_path / "state.json"
+    run_directory.write_json_atomic(path, {"step": 1, "tuple": (1, 2)})
+    run_directory.write_json_atomic(path, {"step": 2})
+    assert run_directory.read_json(path) == {"step": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temporary left
+    assert json.loads(path.read_text()) == {"step": 2}
+
+
+def test_load_run_names_what_is_missing(tmp_path):
+    run = _run(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.keras is missing"):
+        run_directory.load_run(run)
+    assert not run_directory.is_run_dir(run)
