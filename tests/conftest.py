@@ -44,3 +44,22 @@ def small_tokenizer(small_corpus, tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("small_tokenizer") / "tokenizer"
     return train_tokenizer(small_corpus.sources + small_corpus.targets, directory, vocab_size=400)
+
+
+@pytest.fixture(autouse=True)
+def project_loggers_as_found():
+    """Puts the project's loggers back after each test: a command line run in-process
+    (`main([...])`) sends them to stdout and stops their propagation (`show_project_logs`),
+    which would hide their records from a later test's `caplog`."""
+    import logging
+
+    from keras_transformer.logs import LOGGERS
+
+    saved = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
+                    logging.getLogger(name).propagate) for name in LOGGERS}
+    yield
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
