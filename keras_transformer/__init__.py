@@ -18,6 +18,12 @@ The public Python API (everything in `__all__`):
 `kt.build_trainer` builds the same model (same weights) whose `compile` also takes
 `accumulate_steps=N` and which, under mixed_float16, counts loss-scale skips as steps.
 
+The whole run of `python -m keras_transformer.train`, from Python:
+
+    config = kt.train_config(recipe="multi30k", data="../shared/data/multi30k", src="de",
+                             tgt="en", out="runs/multi30k-de-en")  # the flags, by name
+    results = kt.run_training(config)  # prepare, train, average, score, export
+
 Names are imported on first use, so `import keras_transformer` itself is cheap (and the
 command-line tools can configure TensorFlow's logging before TensorFlow loads).
 """
@@ -85,6 +91,8 @@ _EXPORTS = {
     "TrainConfig": "keras_transformer.training.config",
     "train_config": "keras_transformer.training.config",
     "run_training": "keras_transformer.training.run",
+    "TrainingDiverged": "keras_transformer.training.run",
+    "UsageError": "keras_transformer.errors",
     # Runs and exports.
     "load_run": "keras_transformer.run_directory",
     "export_saved_model": "keras_transformer.serving.saved_model",
