@@ -155,7 +155,7 @@ def test_notebook_runs_end_to_end(multi30k_dir, tmp_path):
             cell.outputs, cell.execution_count = [], None
     shrink = SHRINK.format(data=str(multi30k_dir), work=str(tmp_path / "work"))
     notebook.cells.insert(parameters_index(notebook) + 1, nbformat.v4.new_code_cell(shrink))
-    client = NotebookClient(notebook, kernel_name="python3", timeout=600,
+    client = NotebookClient(notebook, kernel_name="python3", timeout=300,
                             coalesce_streams=True,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute()
