@@ -63,3 +63,23 @@ def project_loggers_as_found():
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate = propagate
+
+
+# Tests that start several training processes on local ports (TF_CONFIG clusters) or assert a
+# bound in seconds: pytest-xdist runs each group on one worker, one test at a time, so they
+# never share ports or compete with each other (`--dist loadgroup` in pyproject.toml).
+# The modules sharing `tests.serving.test_saved_model.shared_artifacts` (a run directory and
+# its export, made once per process) go to one worker too, so that it is made once.
+_CLUSTER_FILES = ("tests/cluster/test_workers.py",)
+_CLUSTER_TESTS = ("two_workers", "workers_skip")
+_ARTIFACT_FILES = ("tests/serving/test_saved_model.py", "tests/cli/test_translate.py",
+                   "tests/cli/test_evaluate.py", "tests/decoding/test_attention_plots.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path in _CLUSTER_FILES or any(part in item.name for part in _CLUSTER_TESTS):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif path in _ARTIFACT_FILES:
+            item.add_marker(pytest.mark.xdist_group("shared_artifacts"))
