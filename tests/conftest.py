@@ -69,13 +69,15 @@ def project_loggers_as_found():
 # bound in seconds: pytest-xdist runs each group on one worker, one test at a time, so they
 # never share ports or compete with each other (`--dist loadgroup` in pyproject.toml).
 # The modules sharing `tests.serving.test_saved_model.shared_artifacts` (a run directory and
-# its export, made once per process) go to one worker too, so that it is made once.
+# its export, made once per process) go to one worker too, so that it is made once, and so do
+# the tests of every other module, so that its module-scoped fixtures are made once.
 _CLUSTER_FILES = ("tests/cluster/test_workers.py",)
 _CLUSTER_TESTS = ("two_workers", "workers_skip")
 _ARTIFACT_FILES = ("tests/serving/test_saved_model.py", "tests/cli/test_translate.py",
                    "tests/cli/test_evaluate.py", "tests/decoding/test_attention_plots.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the marks into nodeids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.nodeid.split("::")[0]
@@ -83,3 +85,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("cluster"))
         elif path in _ARTIFACT_FILES:
             item.add_marker(pytest.mark.xdist_group("shared_artifacts"))
+        else:  # a module's tests together: its module-scoped fixtures are made once
+            item.add_marker(pytest.mark.xdist_group(path))
