@@ -85,8 +85,6 @@ def add_field_flag(group, cls: type, field: dataclasses.Field) -> None:
         options.update(type=_value_parser(kind, meta.get("check")), required=required)
         if meta.get("choices"):
             options["choices"] = meta["choices"]
-        if meta.get("metavar"):
-            options["metavar"] = meta["metavar"]
     group.add_argument(flag, **options)
 
 

@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from keras_transformer.errors import UsageError
 from keras_transformer.flags import (
     add_config_flags,
     add_recipe_flag,
@@ -23,8 +24,7 @@ from keras_transformer.flags import (
     given_flags,
     positive_int,
 )
-from keras_transformer.training.config import PREPARE_FIELDS, DataConfig
-from keras_transformer.training.recipes import RECIPES
+from keras_transformer.training.config import PREPARE_FIELDS, DataConfig, data_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[DataConfig, argparse.Namespace]:
     """The corpus settings (a `--recipe`'s values under the flags given) and the rest."""
-    namespace = build_parser().parse_args(argv)
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
     given = given_flags(namespace, exclude=("recipe", "shards", "seed", "out", "verbose"))
-    recipe = RECIPES.get(namespace.recipe, {})
-    data = DataConfig(**{**{k: v for k, v in recipe.items() if k in PREPARE_FIELDS}, **given})
+    try:
+        data = data_config(namespace.recipe, **given)
+    except UsageError as error:  # e.g. a recipe value its flag would refuse
+        parser.error(str(error))
     return data, namespace
 
 

@@ -20,6 +20,7 @@ Nothing here imports TensorFlow: `--help` and the checks run before it loads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -51,9 +52,9 @@ def fraction(value: float) -> str | None:
 
 
 def _setting(default: Any = dataclasses.MISSING, help: str = "", check: Callable | None = None,
-             choices: tuple | None = None, metavar: str | None = None) -> Any:
+             choices: tuple | None = None) -> Any:
     """A config field with what its flag needs: help text, a value check, choices."""
-    metadata = {"help": help, "check": check, "choices": choices, "metavar": metavar}
+    metadata = {"help": help, "check": check, "choices": choices}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -350,9 +351,14 @@ def setting_fields(component: type | None = None
                 yield name, cls, field
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # resolves every annotation of `cls`: once per class
+
+
 def field_type(cls: type, field: dataclasses.Field) -> type:
     """The value type of a field (`int | None` -> int)."""
-    hint = typing.get_type_hints(cls)[field.name]
+    hint = _type_hints(cls)[field.name]
     options = [option for option in typing.get_args(hint) if option is not type(None)]
     return options[0] if options else hint
 
@@ -402,23 +408,49 @@ def train_config(recipe: str | None = None, **flags: Any) -> TrainConfig:
         UsageError: an unknown recipe or setting, a missing required one, or a value its
             flag would refuse.
     """
-    if recipe is not None and recipe not in RECIPES:
-        raise UsageError(f"unknown recipe {recipe!r}; choose one of {', '.join(sorted(RECIPES))}")
-    unknown = sorted(set(flags) - set(_OWNERS))
-    if unknown:
-        raise UsageError(f"unknown setting(s) {', '.join(unknown)}; see `python -m "
-                         "keras_transformer.train --help` (flag names with underscores)")
-    values: dict[str, Any] = {**(RECIPES[recipe] if recipe else {}), **flags}
+    values = _settings(recipe, flags, _OWNERS, "train")
     parts: dict[str, dict[str, Any]] = {component: {} for component in COMPONENTS}
     for name, value in values.items():
-        check_value(name, value)
         parts[_OWNERS[name][0]][name] = value
-    missing = [f"--{field.name}" for _, _, field in setting_fields()
-               if field.default is dataclasses.MISSING and field.name not in values]
-    if missing:
-        raise UsageError(f"{', '.join(missing)} required")
     return TrainConfig(recipe=recipe, **{component: COMPONENT_TYPES[component](**parts[component])
                                          for component in COMPONENTS})
+
+
+def data_config(recipe: str | None = None, **flags: Any) -> DataConfig:
+    """The `DataConfig` of `python -m keras_transformer.prepare`: its share of the settings
+    (`PREPARE_FIELDS`), built as `train_config` builds a `TrainConfig`.
+
+    Raises:
+        UsageError: as `train_config`.
+    """
+    return DataConfig(**_settings(recipe, flags, PREPARE_FIELDS, "prepare"))
+
+
+def _settings(recipe: str | None, flags: Mapping[str, Any], known, command: str
+              ) -> dict[str, Any]:
+    """The recipe's values of the settings in `known`, then `flags` over them, each checked
+    as its flag would check it, the required ones present.
+
+    Raises:
+        UsageError: an unknown recipe or setting, a missing required one, a refused value.
+    """
+    if recipe is not None and recipe not in RECIPES:
+        raise UsageError(f"unknown recipe {recipe!r}; choose one of {', '.join(sorted(RECIPES))}")
+    unknown = sorted(set(flags) - set(known))
+    if unknown:
+        raise UsageError(f"unknown setting(s) {', '.join(unknown)}; see `python -m "
+                         f"keras_transformer.{command} --help` (flag names with underscores)")
+    recipe_values = {name: value for name, value in RECIPES.get(recipe, {}).items()
+                     if name in known}
+    values: dict[str, Any] = {**recipe_values, **flags}
+    for name, value in values.items():
+        check_value(name, value)
+    missing = [f"--{field.name}" for _, _, field in setting_fields()
+               if field.name in known and field.default is dataclasses.MISSING
+               and field.name not in values]
+    if missing:
+        raise UsageError(f"{', '.join(missing)} required")
+    return values
 
 
 def config_from_flags(flags: Mapping[str, Any]) -> TrainConfig:

@@ -13,9 +13,11 @@ from keras_transformer.errors import UsageError
 from keras_transformer.flags import build_train_parser, parse_train_args
 from keras_transformer.training.config import (
     COMPONENTS,
+    PREPARE_FIELDS,
     BatchConfig,
     TrainConfig,
     config_from_flags,
+    data_config,
     setting_fields,
     train_config,
 )
@@ -119,3 +121,15 @@ def test_step_budget_refuses_micro_batches_below_max_length_naming_the_smallest_
         batches.budget(2, max_length=128)
     batches.tokens_per_step = 256
     assert batches.budget(2, max_length=128).micro_batch == 128
+
+
+def test_prepare_takes_its_share_of_the_settings_as_train_does():
+    data = data_config("paper-base", data="corpus", src="en", tgt="de", max_length=128)
+    assert (data.vocab_size, data.max_length) == (37000, 128)  # the recipe's, then the flag's
+    train = train_config(recipe="paper-base", **{**REQUIRED, "src": "en", "tgt": "de"},
+                         max_length=128).data
+    assert all(getattr(data, name) == getattr(train, name) for name in PREPARE_FIELDS)
+    with pytest.raises(UsageError, match="unknown setting.s. out; .*keras_transformer.prepare"):
+        data_config(data="corpus", src="en", tgt="de", out="runs/x")
+    with pytest.raises(UsageError, match="--vocab-size must be positive"):
+        data_config(data="corpus", src="en", tgt="de", vocab_size=0)
