@@ -93,6 +93,7 @@ _EXPORTS = {
     "run_training": "keras_transformer.training.run",
     "TrainingDiverged": "keras_transformer.training.run",
     "UsageError": "keras_transformer.errors",
+    "StorageError": "keras_transformer.errors",
     # Runs and exports.
     "load_run": "keras_transformer.run_directory",
     "export_saved_model": "keras_transformer.serving.saved_model",

@@ -1,12 +1,22 @@
-"""The one error a user fixes by changing what they asked for.
+"""The errors a user fixes by changing what they asked for, or the storage they gave.
 
 `UsageError` is raised by the library for a bad setting, corpus, run directory or input file,
-with a message that says what and where, and how to fix it. The command lines print it as one
-line (`error: ...`), never as a traceback, and exit with a status of their own (2 for
-`train` and `prepare`, 1 for `translate`, `evaluate` and `export`).
+with a message that says what and where, and how to fix it. `StorageError`
+(`pipelines.storage`) is raised when a write fails because the disk is full, over quota,
+read-only or failing: it names the path and the bytes needed, and nothing was half-written.
+The command lines print either as one line (`error: ...`), never as a traceback, and exit
+with a status of their own: 2 for a usage error of `train` and `prepare` (1 for
+`translate`, `evaluate` and `export`), and `EXIT_STORAGE` (4) for the storage, everywhere.
 """
 
 from __future__ import annotations
+
+from pipelines.storage import StorageError
+
+__all__ = ["EXIT_STORAGE", "StorageError", "UsageError"]
+
+# The exit status of every command when the storage failed: free space, run it again.
+EXIT_STORAGE = 4
 
 
 class UsageError(ValueError):

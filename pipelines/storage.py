@@ -1,0 +1,216 @@
+"""Files written so that a kill or a full disk never leaves half of one.
+
+Every file the project writes (prepared shards and manifests, tokenizers, a run's config,
+checkpoints, backups, results, exports) goes through here: it is written under a temporary
+name beside its destination, flushed and fsynced, renamed over the destination, and the
+folder is fsynced, so that after a kill or a power loss a reader finds the old file or the
+new one, never a part (Orbax and `tf.train.CheckpointManager` finalize a step the same way).
+A folder of files that belong together is built as a temporary sibling, fsynced file by file
+(`sync_tree`) and renamed into place last (`replace_folder`).
+
+A write that fails because of the storage — no space left (ENOSPC), a quota (EDQUOT), a
+read-only (EROFS) or failing (EIO) disk — raises `StorageError`, one sentence naming the
+path, the bytes it needed and what is free; the temporary file is removed and the
+destination is untouched. The lowest layer of the project: `pipelines` and
+`keras_transformer` both write through it, and it imports neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StorageError", "checksum", "file_checksum", "replace_folder", "replacing",
+           "storage_error", "sync_file", "sync_tree", "write_bytes", "write_json",
+           "write_text"]
+
+# Failures of the storage, not of the input: free space or fix the disk, then run again.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+_REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+            errno.EROFS: "read-only file system", errno.EIO: "input/output error (a failing disk?)"}
+# C libraries (HDF5, TensorFlow) report errno 28 inside their own messages.
+_MESSAGES = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+             "Read-only file system": errno.EROFS, "Input/output error": errno.EIO}
+_CHUNK = 8 << 20
+
+
+class StorageError(OSError):
+    """Writing `path` failed because of the storage (full, over quota, read-only, failing).
+
+    Nothing was half-written: the file being written was removed and what was on disk
+    before is untouched. Free space (or fix the disk) and run the same command again.
+
+    Attributes:
+        path: the file or folder being written.
+        needed: bytes the write needed (None: unknown).
+        free: bytes free on that file system when it failed (None: unknown).
+    """
+
+    def __init__(self, code: int, path: str | os.PathLike, needed: int | None = None):
+        self.path, self.needed = Path(path), needed
+        self.free = _free_bytes(self.path)
+        sizes = []
+        if needed is not None:
+            sizes.append(f"{_size(needed)} needed")
+        if self.free is not None:
+            sizes.append(f"{_size(self.free)} free")
+        detail = f" ({', '.join(sizes)})" if sizes else ""
+        super().__init__(code, f"{_REASONS.get(code, os.strerror(code))} writing {self.path}"
+                         f"{detail}; nothing was half-written: free space (or fix the disk) "
+                         "and run the same command again", str(self.path))
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def storage_error(error: BaseException, path: str | os.PathLike,
+                  needed: int | None = None) -> StorageError | None:
+    """`error` as a `StorageError` about `path`, if it is a failure of the storage (by its
+    errno, or by the errno text a C library put into its message); otherwise None."""
+    if isinstance(error, StorageError):
+        return error
+    code = getattr(error, "errno", None)
+    if code not in STORAGE_ERRNOS:
+        text = str(error)
+        code = next((number for message, number in _MESSAGES.items() if message in text), None)
+    return StorageError(code, path, needed) if code is not None else None
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
+    """Yields a temporary path to write `path`'s new content to; on leaving, the content
+    is fsynced and renamed over `path` (and the folder fsynced).
+
+    Args:
+        path: the destination file; its folder must exist.
+        needed: the bytes the write needs, for the message of a full disk.
+
+    Raises:
+        StorageError: the storage failed (the temporary file is removed, `path` untouched).
+    """
+    path = Path(path)
+    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        yield temporary
+        sync_file(temporary)
+        os.replace(temporary, path)
+        _sync_folder(path.parent)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        failure = storage_error(error, path, needed) if isinstance(error, Exception) else None
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
+    """Writes `data` to `path` durably and atomically (see `replacing`)."""
+    with replacing(path, needed=len(data)) as temporary, open(temporary, "wb") as handle:
+        handle.write(data)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` durably and atomically."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> None:
+    """Writes `data` as JSON (sorted keys) to `path` durably and atomically."""
+    write_text(path, json.dumps(data, indent=indent, sort_keys=True) + "\n")
+
+
+def sync_file(path: str | os.PathLike) -> None:
+    """Flushes a written file's data to the disk (fsync)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_folder(path: Path) -> None:
+    """Makes a rename or a new file in folder `path` durable (fsync of the folder)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # e.g. a platform without folder descriptors
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno in STORAGE_ERRNOS:
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(folder: str | os.PathLike) -> None:
+    """fsyncs every file and folder under `folder` (a staging folder before its rename)."""
+    folder = Path(folder)
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            sync_file(Path(root) / name)
+        _sync_folder(Path(root))
+
+
+def replace_folder(staging: str | os.PathLike, folder: str | os.PathLike) -> None:
+    """Moves a complete staging folder to `folder` (which must not exist, or be empty),
+    after fsyncing its content, then fsyncs the parent: readers see all of it or nothing."""
+    staging, folder = Path(staging), Path(folder)
+    try:
+        sync_tree(staging)
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        os.replace(staging, folder)
+        _sync_folder(folder.parent)
+    except OSError as error:
+        failure = storage_error(error, folder, needed=_tree_bytes(staging))
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+def checksum(data: bytes | memoryview, previous: int = 0) -> int:
+    """CRC-32 of `data` (continuing `previous`): 4 GB/s here, far above what training reads."""
+    return zlib.crc32(data, previous)
+
+
+def file_checksum(path: str | os.PathLike) -> int:
+    """CRC-32 of a file's content, read in chunks."""
+    value = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _tree_bytes(folder: Path) -> int | None:
+    try:
+        return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+    except OSError:
+        return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    for folder in (path, *path.parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:,} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TB"
