@@ -61,16 +61,29 @@ def run(command: list[str], log: Path) -> dict:
 
 
 def move_backup_to_step(run_dir: Path, step: int) -> None:
-    """Sets the resumable backup's optimizer step (and state.json) to `step`."""
+    """Moves the newest resumable backup generation to `step` (optimizer step, state.json
+    and the weights' recorded size and checksum)."""
     import h5py
 
-    backup = run_dir / "backup"
-    with h5py.File(backup / "latest.weights.h5", "r+") as weights:
+    from keras_transformer.training.backup import (
+        STATE_FILE,
+        WEIGHTS_FILE,
+        generation_dir,
+        list_generations,
+    )
+    from pipelines import storage
+
+    _, newest = list_generations(run_dir / "backup")[0]
+    moved = generation_dir(run_dir / "backup", step)
+    newest.rename(moved)
+    with h5py.File(moved / WEIGHTS_FILE, "r+") as weights:
         # Keras 3 stores the optimizer's variables by index; 0 is `iterations`.
         weights["optimizer/vars/0"][()] = step
-    state = json.loads((backup / "state.json").read_text())
-    state.update(step=step, epochs_done=step // 10)
-    (backup / "state.json").write_text(json.dumps(state))
+    state = json.loads((moved / STATE_FILE).read_text())
+    state.update(step=step, epochs_done=step // 10,
+                 weights={"bytes": (moved / WEIGHTS_FILE).stat().st_size,
+                          "crc32": storage.file_checksum(moved / WEIGHTS_FILE)})
+    (moved / STATE_FILE).write_text(json.dumps(state))
 
 
 def main() -> None:

@@ -3,7 +3,13 @@
     python -m keras_transformer.averaging --run runs/x --last 5
 
 writes `<run>/model.keras` from the mean of the newest 5 `checkpoints/ckpt-<step>.weights.h5`
-(the library: `keras_transformer.training.checkpoints`).
+(the library: `keras_transformer.training.checkpoints`). The model file is written under a
+temporary name and renamed into place: a reader finds the old one or the new one.
+
+Exit status: 0 averaged; 2 not a run directory (or a damaged one), no checkpoints or a bad
+flag (one `error:` line); 4 (`EXIT_STORAGE`) the disk is full, over quota, read-only or
+failing (one `error:` line naming the file and the bytes it needed; nothing half-written):
+free space and run the same command again.
 """
 
 from __future__ import annotations
@@ -14,12 +20,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_transformer import run_directory
+from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training.checkpoints import average_last_checkpoints
+from pipelines import storage
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The averaging command; returns the exit status."""
+    try:
+        return _average(argv)
+    except StorageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_STORAGE
+
+
+def _average(argv: Sequence[str] | None) -> int:
+    """The command's work; raises `StorageError` for a full or failing disk."""
     parser = argparse.ArgumentParser(
         prog="python -m keras_transformer.averaging",
         description="Average the last N checkpoints of a training run into <run>/model.keras.",
@@ -38,17 +56,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    config = run_directory.read_json(config_path)
     averaged = run / run_directory.CHECKPOINT_DIR / "averaged.weights.h5"
     try:
+        config = run_directory.read_json(config_path)
         steps = average_last_checkpoints(run / run_directory.CHECKPOINT_DIR, args.last, averaged)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # ValueError: a damaged config.json too
         print(f"error: {error}", file=sys.stderr)
         return 2
     model = build_transformer(**config["model"])
     model.load_weights(averaged)
     output = Path(args.output) if args.output else run / run_directory.MODEL_FILE
-    model.save(output)
+    # The temporary name keeps the suffix (`.tmp-<pid>-model.keras`), which Keras requires.
+    needed = sum(weight.numpy().nbytes for weight in model.weights)
+    with storage.replacing(output, needed=needed) as temporary:
+        model.save(temporary)
     print(f"averaged checkpoints of steps {steps} -> {output}")
     return 0
 

@@ -6,7 +6,12 @@ The library behind it: `keras_transformer.decoding.translator` and `keras_transf
     python -m keras_transformer.evaluate --model DIR --data FOLDER --split test_2016_flickr \\
         --src de --tgt en
 `--model` is a run directory, a SavedModel version folder, or a `saved_models/<name>` folder
-(its highest version). Problems with the inputs print one line and exit with status 1.
+(its highest version).
+
+Exit status: 0 scored; 1 a problem with the inputs (one `error:` line); 2 a malformed or
+missing flag (argparse); 4 (`EXIT_STORAGE`) the disk is full, over quota, read-only or failing
+while writing `--output` (one `error:` line naming the file; nothing half-written): free
+space and run the same command again.
 """
 
 from __future__ import annotations
@@ -15,14 +20,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
-from keras_transformer.errors import UsageError
+from keras_transformer.errors import EXIT_STORAGE, StorageError, UsageError
 from keras_transformer.flags import add_verbose_flag
 from keras_transformer.progress import ProgressBar
+from pipelines import storage
 from pipelines.corpora import load_corpus
 from pipelines.textfiles import CorpusError, read_text_file
 
@@ -64,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The evaluate command; returns the exit status."""
+    try:
+        return _evaluate(argv)
+    except StorageError as error:
+        print(f"evaluate: error: {error}", file=sys.stderr)
+        return EXIT_STORAGE
+
+
+def _evaluate(argv: Sequence[str] | None) -> int:
+    """The command's work; raises `StorageError` for a full or failing disk."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.data:
@@ -84,8 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       batch_size=args.batch_size, progress=bar.update)
     bar.close()
     if args.output:
-        Path(args.output).write_text("".join(line + "\n" for line in hypotheses),
-                                     encoding="utf-8")
+        storage.write_text(args.output, "".join(line + "\n" for line in hypotheses))
     result = score_translations(hypotheses, references)
     result.update(model=str(args.model), beam_size=args.beam, alpha=args.alpha)
     if args.json:

@@ -3,6 +3,12 @@
 `--format saved_model` (default) writes a versioned SavedModel for TF Serving
 (`keras_transformer.serving.saved_model`); `--format ctranslate2` a CTranslate2 model directory
 (`keras_transformer.serving.ctranslate2`).
+
+Exit status: 0 exported (its path on stdout); 1 a bad run directory, an existing version or
+directory, or ctranslate2 not installed (one `error:` line); 2 a malformed flag (argparse);
+4 (`EXIT_STORAGE`) the disk is full, over quota, read-only or failing (one `error:` line
+naming the export and the bytes it needed; nothing of it is left, earlier versions are
+untouched): free space and run the same command again.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from keras_transformer.decoding.search import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
 )
+from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
 from keras_transformer.run_directory import load_run
 from keras_transformer.serving.ctranslate2 import export_ctranslate2
@@ -62,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, tokenizer, args.export_base, version=args.version,
             max_input_tokens=args.max_input_tokens, max_extra_length=args.max_extra_length,
             beam_size=args.beam, alpha=args.alpha, jit_compile=args.jit_compile)
+    except StorageError as error:
+        print(f"export: error: {error}", file=sys.stderr)
+        return EXIT_STORAGE
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         print(f"export: error: {error}", file=sys.stderr)
         return 1

@@ -3,8 +3,14 @@
 Validates the train split in one streaming pass, trains the shared SentencePiece
 vocabulary on a seeded sample, and tokenizes every pair into shards (`pipelines.prepared`).
 `python -m keras_transformer.train --prepared DIR` then trains from DIR without reading the
-text again, on this machine or any other that can read DIR. A bad corpus or flag fails with
-one line and exit status 2 before DIR exists; an interrupted preparation leaves no DIR.
+text again, on this machine or any other that can read DIR. An interrupted preparation
+leaves no DIR; neither does a failure, which is one line (`error: ...`) on stderr, never a
+traceback. Exit statuses:
+
+    0  prepared: DIR is complete (every shard file's CRC-32 is in DIR/manifest.json)
+    2  a bad flag, corpus or --out (e.g. not empty, or not writable): nothing was written
+    4  the storage failed (no space left, a quota, a read-only or failing disk): the line
+       names the path, the bytes needed and free; free space and run the same command again
 
 The corpus flags are `DataConfig`'s (`keras_transformer.training.config.PREPARE_FIELDS`),
 generated as `train`'s are, so the two commands take them alike.
@@ -16,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from keras_transformer.errors import UsageError
+from keras_transformer.errors import EXIT_STORAGE, StorageError, UsageError
 from keras_transformer.flags import (
     add_config_flags,
     add_recipe_flag,
@@ -57,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[DataConfig, argparse.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command; returns the exit status (2: bad flags or corpus, nothing created)."""
+    """Runs the command; returns the exit status (see the module docstring)."""
     data, args = parse_args(argv)
     from keras_transformer.logs import show_project_logs
     from pipelines.corpora import open_corpus
@@ -73,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
             min_shards=args.shards, seed=args.seed)
     except ValueError as error:  # UsageError, CorpusError, PreparedError, a vocabulary too large
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except StorageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_STORAGE
+    except OSError as error:  # e.g. --out in a folder this user may not write to
         print(f"error: {error}", file=sys.stderr)
         return 2
     manifest = prepared.manifest

@@ -7,7 +7,7 @@
                          (tokenizer and token shards, pipelines.prepared)
 <run>/model.keras        the final (checkpoint-averaged) model, loadable in a notebook
 <run>/checkpoints/       periodic weights, ckpt-<step>.weights.h5, and best.weights.h5
-<run>/backup/            keras.callbacks.BackupAndRestore state for resuming a killed run
+<run>/backup/            the newest generations of the resumable state (training.backup)
 <run>/logs/              TensorBoard
 <run>/results.json       final metrics (validation loss, BLEU with its signature, ...)
 ```
@@ -62,17 +62,37 @@ def load_run(path: str | Path):
     return model, SubwordTokenizer.load(path / TOKENIZER_DIR)
 
 
-def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
-    """Writes `data` as JSON via a temporary file and a rename, so readers never see half."""
-    path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    temporary.replace(path)
+# What to do about a damaged file of a run directory, by name.
+_DAMAGED_ADVICE = {
+    CONFIG_FILE: "it records the run's settings: restore it from a copy, or start over with "
+                 "--overwrite (or another --out)",
+    RESULTS_FILE: "delete it and run the same training command: the run is evaluated again "
+                  "from its checkpoints",
+}
+
+
+class DamagedFileError(UsageError):
+    """A file of a run directory cannot be read (not JSON, not UTF-8, not an object)."""
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
-    """Reads a JSON file written by `write_json_atomic`."""
-    return json.loads(Path(path).read_text())
+    """Reads a JSON object written by `pipelines.storage.write_json`.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        DamagedFileError: `path` is not a JSON object, naming it and what to do.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedFileError(f"{path} is damaged (not JSON: {error}); "
+                               f"{_DAMAGED_ADVICE.get(path.name, 'restore or delete it')}"
+                               ) from None
+    if not isinstance(data, dict):
+        raise DamagedFileError(f"{path} is damaged (a JSON {type(data).__name__}, not an "
+                               f"object); {_DAMAGED_ADVICE.get(path.name, 'restore or delete it')}")
+    return data
 
 
 class RunDirError(UsageError):
@@ -100,7 +120,8 @@ def inspect_run_dir(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} exists and is not a directory")
-    if not out.exists() or not any(out.iterdir()):
+    # Temporary files of a process killed while writing do not make a run.
+    if not out.exists() or not any(not p.name.startswith(".tmp-") for p in out.iterdir()):
         if resume:
             raise RunDirError(f"--resume: {out} holds no run to resume")
         return "fresh"

@@ -8,6 +8,9 @@ library raises becomes one line on stderr and an exit status:
     1  the loss became NaN (earlier checkpoints are kept)
     2  a bad flag, corpus, run directory or cluster: nothing was created
     3  another worker of a cluster was lost: restart every worker to resume
+    4  the disk is full, over quota, read-only or failing (`StorageError`, naming the path
+       and the bytes needed): nothing was half-written; free space and run the same command
+       again to resume from the last intact state
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported after parsing: it loads TensorFlow (~4 s), which `--help` and a refused flag
     # should not wait for.
     from keras_transformer.cluster.workers import ClusterFailure
+    from keras_transformer.errors import EXIT_STORAGE, StorageError
     from keras_transformer.training.run import TrainingDiverged, run_training
 
     try:
@@ -36,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # UsageError, RunDirError, ClusterConfigError, CorpusError
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except StorageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_STORAGE
     except ClusterFailure as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_WORKER_LOST

@@ -8,6 +8,11 @@ Input lines come from `--input FILE` (with a progress bar on stderr) or stdin; o
 translation per input line goes to stdout (or `--output`), in order, decoded in batches.
 `--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps for each line
 (run directories only: a SavedModel does not expose attention).
+
+Exit status: 0 translated; 1 a bad model or input file, or no attention to plot (one `error:`
+line); 2 a malformed or invalid flag (argparse); 4 (`EXIT_STORAGE`) the disk is full, over
+quota, read-only or failing while writing `--output` (one `error:` line naming the file;
+nothing half-written): free space and run the same command again.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from pathlib import Path
 
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
+from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
 from keras_transformer.progress import ProgressBar
+from pipelines import storage
 
 
 def _read_lines(source: str | None) -> list[bytes]:
@@ -56,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The translate command; returns the exit status."""
+    try:
+        return _translate(argv)
+    except StorageError as error:
+        print(f"translate: error: {error}", file=sys.stderr)
+        return EXIT_STORAGE
+
+
+def _translate(argv: Sequence[str] | None) -> int:
+    """The command's work; raises `StorageError` for a full or failing disk."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.beam < 1 or args.batch_size < 1 or args.alpha < 0:
@@ -76,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A translation must stay on one line, or the output would lose its alignment.
     text = "".join(" ".join(t.splitlines()) + "\n" for t in translations)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        storage.write_text(args.output, text)  # the old file or all of the new one
     else:
         sys.stdout.buffer.write(text.encode("utf-8"))
         sys.stdout.flush()

@@ -5,7 +5,11 @@
 - :mod:`pipelines.multi30k_tfds`: the ``multi30k`` tensorflow-datasets builder.
 - :mod:`pipelines.tokenizer`: sentencepiece vocabulary, applied in the TF graph.
 - :mod:`pipelines.batching`: length-bucketed, token-budget ``tf.data`` batches.
-- :mod:`pipelines.prepared`: a training split prepared once: tokenizer and token shards.
+- :mod:`pipelines.prepared`: a training split prepared once: tokenizer and token shards
+  (their file format and checks: :mod:`pipelines.shard_files`).
+- :mod:`pipelines.storage`: every file written whole or not at all (temporary name, fsync,
+  rename) and ``StorageError`` for a full or failing disk; used by ``keras_transformer`` too.
+- :mod:`pipelines.constants`: the special token ids.
 
 Data flows one way: nothing here imports ``keras_transformer``.
 """

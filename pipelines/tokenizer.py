@@ -14,8 +14,9 @@ unseen characters all round-trip; measured exact on all of Multi30k val).
 
 On disk a tokenizer is a directory holding ``spm.model``, ``spm.vocab`` and
 ``tokenizer.json`` (settings and, from :func:`train_or_load_tokenizer`, the corpus
-fingerprint). Directories are written to a temporary sibling and renamed into place,
-so a crash never leaves a half-written tokenizer.
+fingerprint). Directories are written to a temporary sibling, fsynced and renamed into
+place, so a crash never leaves a half-written tokenizer, and a full (or read-only, or
+failing) disk raises :class:`~pipelines.storage.StorageError` and leaves none either.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sentencepiece as spm
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from pipelines import storage
 from pipelines.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from pipelines.corpora import ParallelCorpus, corpus_fingerprint
 
@@ -178,6 +180,10 @@ class SubwordTokenizer(tf.Module):
 
         An existing tokenizer directory is replaced; a directory holding other files is
         refused (it is probably not a tokenizer directory).
+
+        Raises:
+          FileExistsError: ``directory`` is a file, or holds other files.
+          StorageError: the storage failed; ``directory`` is as it was.
         """
         config = {
             "format_version": _FORMAT_VERSION,
@@ -226,6 +232,7 @@ def train_tokenizer(
 
     Raises:
       ValueError: bad arguments, or a vocabulary too large for the corpus.
+      StorageError: saving failed because of the storage (see :meth:`SubwordTokenizer.save`).
     """
     settings = _training_settings(vocab_size, model_type, seed)
     texts = list(texts)
@@ -365,23 +372,27 @@ def _write_directory_atomically(directory: Path, files: Mapping[str, bytes]) -> 
                 f"{directory}: holds other files ({', '.join(foreign[:5])}); refusing to replace "
                 "it with a tokenizer: choose a dedicated directory"
             )
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    staging = retired = None
     try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
         for name, content in files.items():
             with open(staging / name, "wb") as handle:
                 handle.write(content)
-                handle.flush()
-                os.fsync(handle.fileno())
         if directory.exists():
             # Two renames are not one atomic step, but at every instant either the old or
             # the new complete directory exists under some name.
             retired = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
             os.replace(directory, retired / directory.name)
-            os.replace(staging, directory)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, directory)
+        storage.replace_folder(staging, directory)  # fsyncs every file, then renames
+    except OSError as error:
+        if retired is not None and not directory.exists():
+            os.replace(retired / directory.name, directory)  # the old one back in place
+        failure = storage.storage_error(error, directory, sum(map(len, files.values())))
+        if failure is None:
+            raise
+        raise failure from None
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        for folder in (staging, retired):
+            if folder is not None and folder.exists():
+                shutil.rmtree(folder, ignore_errors=True)

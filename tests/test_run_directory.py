@@ -10,6 +10,7 @@ import pytest
 from keras_transformer import run_directory
 from keras_transformer.errors import UsageError
 from keras_transformer.run_directory import RunDirError, inspect_run_dir
+from pipelines import storage
 
 IDENTITY = {"data": "corpus", "src": "de", "tgt": "en", "model": {"d_model": 32}}
 
@@ -17,9 +18,9 @@ IDENTITY = {"data": "corpus", "src": "de", "tgt": "en", "model": {"d_model": 32}
 def _run(tmp_path, identity=IDENTITY, finished=False):
     run = tmp_path / "run"
     run.mkdir()
-    run_directory.write_json_atomic(run / run_directory.CONFIG_FILE, {"identity": identity})
+    storage.write_json(run / run_directory.CONFIG_FILE, {"identity": identity})
     if finished:
-        run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, {"steps": 3})
+        storage.write_json(run / run_directory.RESULTS_FILE, {"steps": 3})
     return run
 
 
@@ -30,7 +31,7 @@ def test_fresh_resume_and_finished(tmp_path):
     run = _run(tmp_path)
     assert inspect_run_dir(run, IDENTITY) == "resume"
     assert inspect_run_dir(run, IDENTITY, overwrite=True) == "fresh"
-    run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, {"steps": 3})
+    storage.write_json(run / run_directory.RESULTS_FILE, {"steps": 3})
     assert inspect_run_dir(run, IDENTITY) == "finished"
 
 
@@ -52,8 +53,8 @@ def test_refusals_name_the_folder_and_the_way_out(tmp_path):
 
 def test_json_is_replaced_whole_and_reads_back(tmp_path):
     path = tmp_path / "state.json"
-    run_directory.write_json_atomic(path, {"step": 1, "tuple": (1, 2)})
-    run_directory.write_json_atomic(path, {"step": 2})
+    storage.write_json(path, {"step": 1, "tuple": (1, 2)})
+    storage.write_json(path, {"step": 2})
     assert run_directory.read_json(path) == {"step": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temporary left
     assert json.loads(path.read_text()) == {"step": 2}
@@ -64,3 +65,19 @@ def test_load_run_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.keras is missing"):
         run_directory.load_run(run)
     assert not run_directory.is_run_dir(run)
+
+
+@pytest.mark.parametrize("name, content, advice", [
+    ("config.json", '{"identity": ', "--overwrite"),
+    ("results.json", "[1, 2]", "evaluated again"),
+    ("results.json", b"\xff\xfe{}", "evaluated again"),
+])
+def test_a_damaged_json_file_is_named_with_what_to_do(tmp_path, name, content, advice):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(run_directory.DamagedFileError) as raised:
+        run_directory.read_json(path)
+    assert str(raised.value).startswith(f"{path} is damaged") and advice in str(raised.value)

@@ -13,16 +13,22 @@ The mapping (CTranslate2 4.8, python/ctranslate2/specs/transformer_spec.py):
   and value into another;
 - the SentencePiece pieces as one shared vocabulary; sources end with EOS (`add_source_eos`)
   and the decoder starts from BOS, as in our pipelines.
+
+The directory is written as a hidden sibling, fsynced and renamed into place, so a reader
+never finds half of it; a full, over-quota, read-only or failing disk raises `StorageError`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from keras_transformer.layers.embedding import sinusoidal_encoding
+from pipelines import storage
+from pipelines.storage import StorageError
 
 # Rows of the position table: CTranslate2's default longest input (1024) and decoding (256).
 POSITIONS = 1024
@@ -123,6 +129,8 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
 
     Raises:
         FileExistsError: `directory` exists.
+        StorageError: the disk is full, over quota, read-only or failing: names `directory`
+            and the bytes it needed; nothing of it is left.
     """
     directory = Path(directory)
     if directory.exists():
@@ -130,12 +138,33 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
     spec = transformer_spec(model, tokenizer)
     spec.validate()
     spec.optimize(quantization=quantization)
+    # model.bin holds the (quantized) weights; the vocabulary and config are a few KB more.
+    needed = _spec_bytes(spec) + len(tokenizer.model_proto)
     staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    staging.mkdir(parents=True)
-    spec.save(str(staging))
-    (staging / "sentencepiece.model").write_bytes(tokenizer.model_proto)
-    staging.rename(directory)
+    try:
+        staging.mkdir(parents=True)
+        spec.save(str(staging))
+        storage.write_bytes(staging / "sentencepiece.model", tokenizer.model_proto)
+        storage.replace_folder(staging, directory)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        # spec.save reports a full disk as Python's OSError (errno 28); a StorageError of
+        # a file in the staging folder is re-said about `directory`.
+        failure = None
+        if isinstance(error, StorageError):
+            failure = StorageError(error.errno, directory, needed)
+        elif isinstance(error, Exception):
+            failure = storage.storage_error(error, directory, needed)
+        if failure is not None:
+            raise failure from None
+        raise
     return directory
+
+
+def _spec_bytes(spec) -> int:
+    """Bytes of a spec's weights as model.bin stores them (aliases are names, not arrays)."""
+    return sum(value.num_bytes() for _, value in spec.variables(ordered=True)
+               if not isinstance(value, str))
 
 
 def translate_with_ctranslate2(translator, processor, texts: list[str], beam_size: int = 4,

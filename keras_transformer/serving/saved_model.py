@@ -27,16 +27,18 @@ Mixed precision: a model trained under mixed_bfloat16 is rebuilt in float32 with
 weights (its variables are float32 already), because float32 runs on every serving CPU and GPU.
 
 Layout: `<export_base>/<version>/` with integer versions, as TF Serving watches. A version is
-written to a hidden temporary folder beside it and renamed into place, so the server never sees
-a half-written version and a killed export leaves only a temporary folder (removed by the next
-export once its process is gone).
+written to a hidden temporary folder beside it, fsynced and renamed into place
+(`pipelines.storage.replace_folder`), so the server never sees a half-written version and a
+killed export leaves only a temporary folder (removed by the next export once its process is
+gone). A full, over-quota, read-only or failing disk raises `StorageError` naming the version
+folder; the temporary folder is removed and the versions already there are untouched.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -53,7 +55,9 @@ from keras_transformer.decoding.search import (
     greedy_search,
     length_penalty,
 )
+from pipelines import storage
 from pipelines.constants import PAD_ID
+from pipelines.storage import StorageError
 
 __all__ = ["TranslationModule", "export_saved_model", "latest_version", "serving_model"]
 
@@ -204,20 +208,6 @@ def latest_version(export_base: str | Path) -> int | None:
     return max(versions, default=None)
 
 
-def _remove_abandoned_temporaries(export_base: Path) -> None:
-    """Deletes temporary folders of exports whose process no longer runs (killed exports)."""
-    for path in export_base.glob(_TEMP_PREFIX + "*"):
-        match = re.match(re.escape(_TEMP_PREFIX) + r"(\d+)-", path.name)
-        if match is None:
-            continue
-        try:
-            os.kill(int(match.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # alive, someone else's
-            pass
-
-
 def export_saved_model(
     model,
     tokenizer,
@@ -246,10 +236,19 @@ def export_saved_model(
     Raises:
         FileExistsError: if the version already exists.
         ValueError: for a non-positive version or invalid settings.
+        StorageError: the disk is full, over quota, read-only or failing: names the version
+            folder and the bytes it needed if known (its weights; the graph adds a few MB);
+            nothing of it is left, earlier versions are untouched.
     """
     export_base = Path(export_base)
-    export_base.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_temporaries(export_base)
+    try:
+        export_base.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a read-only or full disk already here
+        failure = storage.storage_error(error, export_base)
+        if failure is None:
+            raise
+        raise failure from None
+    storage.remove_stale_temporaries(export_base, _TEMP_PREFIX)
     if version is None:
         version = (latest_version(export_base) or 0) + 1
     if not isinstance(version, int) or version < 1:
@@ -262,8 +261,10 @@ def export_saved_model(
         serving_model(model), tokenizer, beam_size=beam_size, alpha=alpha,
         max_input_tokens=max_input_tokens, max_extra_length=max_extra_length,
         chunk_size=chunk_size, jit_compile=jit_compile)
-    staging = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=export_base))
+    estimate = _weight_bytes(model, tokenizer)
+    staging = None
     try:
+        staging = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=export_base))
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the version from a server user
         signatures = {
             "serving_default": module.serve,
@@ -282,12 +283,43 @@ def export_saved_model(
             "vocab_size": int(tokenizer.vocab_size),
         }
         (staging / METADATA_FILE).parent.mkdir(exist_ok=True)
-        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-        os.rename(staging, target)  # atomic; fails rather than merge into an existing version
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        storage.write_json(staging / METADATA_FILE, metadata)
+        # Fails rather than merge into a version that appeared meanwhile (not empty).
+        storage.replace_folder(staging, target)
+    except BaseException as error:
+        written = storage.folder_bytes(staging) if staging is not None else 0
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        # Built after the removal, so that the free space it reports is what is left. The
+        # weights are a lower bound of the size: past them, the graph's is unknown.
+        failure = _storage_failure(error, target, estimate if written < estimate else None)
+        if failure is not None:
+            raise failure from None
         raise
     return target
+
+
+def _storage_failure(error: BaseException, target: Path,
+                     needed: int | None) -> StorageError | None:
+    """`error` as a `StorageError` about the version folder `target`, if the storage failed.
+
+    TensorFlow reports a full disk as a `ResourceExhaustedError` (or another `OpError`) with
+    the errno text in its message. `replace_folder` raises one about `target` already, with
+    the exact size; a write of the metadata one about a file in the temporary folder, which
+    is gone now.
+    """
+    if not isinstance(error, Exception):
+        return None  # KeyboardInterrupt, SystemExit: not the storage
+    if isinstance(error, StorageError):
+        return error if error.path == target else StorageError(error.errno, target, needed)
+    return storage.storage_error(error, target, needed)
+
+
+def _weight_bytes(model, tokenizer) -> int:
+    """A lower bound of an export's size: its float32 weights and the sentencepiece model
+    (the graph adds a few MB, unknown before it is serialized)."""
+    return 4 * sum(math.prod(weight.shape) for weight in model.weights) + len(
+        tokenizer.model_proto)
 
 
 def _jsonable(config: dict) -> dict:

@@ -9,6 +9,7 @@ with the data stream started at exactly the restored step (without replaying the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -17,10 +18,16 @@ from typing import Any
 
 import keras
 from keras import ops
-from keras.src.saving import saving_lib
 
-from keras_transformer import run_directory
-from keras_transformer.training.checkpoints import checkpoint_path, list_checkpoints, steps_to_keep
+from keras_transformer.training import backup
+from keras_transformer.training.checkpoints import (
+    BEST_FILE,
+    checkpoint_path,
+    list_checkpoints,
+    save_model_weights,
+    steps_to_keep,
+)
+from pipelines import storage
 from pipelines.constants import PAD_ID
 
 
@@ -234,47 +241,23 @@ class AgreedStop(keras.callbacks.Callback):
         self._wished = stop
 
 
-def save_model_weights(model: keras.Model, path: str | Path) -> None:
-    """Saves only the model's weights (no optimizer slots: a third of the size) as a Keras
-    `.weights.h5`, atomically: written under a temporary name, then renamed."""
-    path = Path(path)
-    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    optimizer = getattr(model, "optimizer", None)
-    skip = [optimizer] if optimizer is not None else None
-    saving_lib.save_weights_only(model, str(temporary), objects_to_skip=skip)
-    temporary.replace(path)
+class MetricsLog(keras.callbacks.CSVLogger):
+    """`keras.callbacks.CSVLogger` (appending, one row per interval) whose write failures on
+    a full or failing disk become a `StorageError` naming the file, not a traceback."""
 
-
-def save_training_state(model: keras.Model, path: str | Path) -> None:
-    """Saves weights *and* optimizer state (the step count included), atomically."""
-    path = Path(path)
-    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    model.save_weights(str(temporary))
-    temporary.replace(path)
-
-
-def write_backup(model: keras.Model, backup_dir: Path, state: dict[str, Any]) -> None:
-    """Writes the resumable backup: `latest.weights.h5` (weights and optimizer) and its
-    `state.json`, so that a kill at any moment leaves a pair `read_backup_state` can match.
-
-    Each file is replaced atomically, but not both at once: the new state goes first to
-    `state.next.json`, then the weights, then the state into place. A kill after the
-    weights leaves `state.next.json` matching them; a kill before leaves the old pair.
-    """
-    upcoming = backup_dir / "state.next.json"
-    run_directory.write_json_atomic(upcoming, state)
-    save_training_state(model, backup_dir / "latest.weights.h5")
-    upcoming.replace(backup_dir / "state.json")
-
-
-def read_backup_state(backup_dir: Path, weights_step: int) -> dict[str, Any] | None:
-    """The state written with the backup weights of `weights_step` (see `write_backup`), or
-    None if neither `state.json` nor a leftover `state.next.json` is theirs."""
-    for name in ("state.json", "state.next.json"):
-        path = backup_dir / name
-        if path.is_file() and (state := run_directory.read_json(path)).get("step") == weights_step:
-            return state
-    return None
+    def on_epoch_end(self, epoch, logs=None):
+        before = os.path.getsize(self.filename) if os.path.isfile(self.filename) else 0
+        try:
+            super().on_epoch_end(epoch, logs)
+            self.csv_file.flush()
+        except Exception as error:  # OSError, or tf.errors.OpError where gfile writes
+            failure = storage.storage_error(error, self.filename)
+            if failure is None:
+                raise
+            with contextlib.suppress(OSError):  # no half row for the resumed run to append to
+                self.csv_file.close()
+                os.truncate(self.filename, before)
+            raise failure from None
 
 
 class RunCheckpointer(keras.callbacks.Callback):
@@ -283,13 +266,17 @@ class RunCheckpointer(keras.callbacks.Callback):
 
     Args:
         checkpoint_dir: where `ckpt-<step>.weights.h5` and `best.weights.h5` go.
-        backup_dir: where `latest.weights.h5` and `state.json` go.
+        backup_dir: where the backup generations go (`keras_transformer.training.backup`).
         checkpoint_every: save a periodic checkpoint when the step is a multiple of this.
         keep: the checkpoints averaged: keep the newest `keep` periodic checkpoints and the
             `keep` around the best validation step.
         patience: stop after this many validations without improvement (0 = never).
         stopper: the `StopAt` callback, whose elapsed time is recorded for resuming.
-        state: restored state of an interrupted run (best_val_loss, bad_validations, ...).
+        state: restored state of an interrupted run (best_val_loss, bad_validations, the
+            checkpoint files' record, ...).
+
+    Raises (from `on_epoch_end`):
+        StorageError: a full or failing disk; the files written before are intact.
     """
 
     def __init__(
@@ -313,6 +300,8 @@ class RunCheckpointer(keras.callbacks.Callback):
         self.best_val_loss = float(state.get("best_val_loss") or math.inf)
         self.best_step = int(state.get("best_step", -1))
         self.bad_validations = int(state.get("bad_validations", 0))
+        # name -> {"bytes", "crc32"} of every checkpoint file kept, recorded in the backup.
+        self.checkpoints = backup.checkpoint_record(self.checkpoint_dir, state)
         self.diverged = False
         self.stopped_early = False
 
@@ -326,14 +315,16 @@ class RunCheckpointer(keras.callbacks.Callback):
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.backup_dir.mkdir(parents=True, exist_ok=True)
         if step % self.checkpoint_every == 0 or self.model.stop_training:
-            save_model_weights(self.model, checkpoint_path(self.checkpoint_dir, step))
+            path = checkpoint_path(self.checkpoint_dir, step)
+            self.checkpoints[path.name] = save_model_weights(self.model, path)
             self._remove_old_checkpoints()
         val_loss = logs.get("val_loss")
         if val_loss is not None:
             if val_loss < self.best_val_loss:
                 self.best_val_loss, self.best_step = float(val_loss), step
                 self.bad_validations = 0
-                save_model_weights(self.model, self.checkpoint_dir / "best.weights.h5")
+                self.checkpoints[BEST_FILE] = save_model_weights(
+                    self.model, self.checkpoint_dir / BEST_FILE)
             else:
                 self.bad_validations += 1
                 if self.patience and self.bad_validations >= self.patience:
@@ -344,7 +335,8 @@ class RunCheckpointer(keras.callbacks.Callback):
                     self.stopped_early = True
                     self.model.stop_training = True
         # The backup last, so that a restart never sees a backup ahead of the checkpoints.
-        write_backup(self.model, self.backup_dir, self.state(epoch + 1, step))
+        backup.write_backup(self.model, self.backup_dir, self.state(epoch + 1, step),
+                            self.checkpoints)
 
     def _remove_old_checkpoints(self) -> None:
         # The newest `keep`, and those around the best step so far: an early-stopped run
@@ -352,6 +344,7 @@ class RunCheckpointer(keras.callbacks.Callback):
         found = dict(list_checkpoints(self.checkpoint_dir))
         for step in set(found) - steps_to_keep(list(found), self.best_step, self.keep):
             found[step].unlink(missing_ok=True)
+            self.checkpoints.pop(found[step].name, None)
 
     def state(self, epochs_done: int, step: int) -> dict[str, Any]:
         return {

@@ -7,26 +7,65 @@ last checkpoints, so it also keeps the checkpoints around its best validation st
 fairseq keeps its best checkpoints for averaging (`--keep-best-checkpoints`). Which window
 is averaged is then decided on the validation split (`keras_transformer.training.final_weights`).
 
+Every weight file is made in memory and written with `pipelines.storage` (temporary name,
+fsync, rename), so a kill or a full disk never leaves half of one: HDF5's own writer, failing
+on a full disk, left open handles behind (and once crashed the process).
+
 Averaging works on the HDF5 files directly (every floating-point array is averaged; integer
 arrays such as counters are taken from the newest file), so it needs no model to run.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
 import h5py
+import keras
 import numpy as np
+from keras.src.saving import saving_lib
+
+from pipelines import storage
 
 LAST = "last"
 UP_TO_BEST = "up to the best step"
 AROUND_BEST = "around the best step"
+BEST_FILE = "best.weights.h5"
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
     """The periodic checkpoint of `step` in `directory`."""
     return Path(directory) / f"ckpt-{step:08d}.weights.h5"
+
+
+def save_model_weights(model: keras.Model, path: str | Path,
+                       include_optimizer: bool = False) -> dict[str, int]:
+    """Saves the model's weights as a Keras `.weights.h5` (what `model.load_weights` reads),
+    made in memory and written durably and atomically.
+
+    Args:
+        model: a built model.
+        path: the file to write.
+        include_optimizer: also save the optimizer's variables (its step count included),
+            three times the size: what a resumed run needs.
+
+    Returns:
+        {"bytes": size, "crc32": checksum} of the file written.
+
+    Raises:
+        StorageError: the disk is full or failing (`path` is untouched).
+    """
+    buffer = io.BytesIO()
+    store = saving_lib.H5IOStore(buffer, mode="w")
+    optimizer = getattr(model, "optimizer", None)
+    skipped = {id(optimizer)} if optimizer is not None and not include_optimizer else set()
+    saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
+                           visited_saveables=skipped)
+    store.close()
+    data = buffer.getbuffer()
+    storage.write_bytes(path, data)
+    return {"bytes": len(data), "crc32": storage.checksum(data)}
 
 
 def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
@@ -86,15 +125,15 @@ def average_weight_files(paths: Sequence[str | Path], output: str | Path) -> Pat
         raise ValueError("No checkpoints to average.")
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = output.with_name(".tmp-" + output.name)
+    buffer = io.BytesIO()
     sources = [h5py.File(path, "r") for path in paths]
     try:
-        with h5py.File(temporary, "w") as target:
+        with h5py.File(buffer, "w") as target:
             _average_group(sources, target, [str(p) for p in paths])
     finally:
         for source in sources:
             source.close()
-    temporary.replace(output)
+    storage.write_bytes(output, buffer.getbuffer())
     return output
 
 

@@ -23,8 +23,8 @@ from keras_transformer.cluster.keras_patches import build_for_distributed_fit
 from keras_transformer.cluster.workers import Cluster, any_worker, check_same_settings
 from keras_transformer.errors import UsageError
 from keras_transformer.kernels import fused_kernels
+from keras_transformer.training import backup, run_data
 from keras_transformer.training import callbacks as cb
-from keras_transformer.training import run_data
 from keras_transformer.training.config import DEFAULT_MAX_STEPS, StepBudget, TrainConfig
 from keras_transformer.training.loss_scaling import LossScaleOptimizer
 from keras_transformer.training.losses import (
@@ -39,7 +39,9 @@ from keras_transformer.training.precision import (
     resolve_precision,
 )
 from keras_transformer.training.trainer_model import build_trainer
+from pipelines import storage
 from pipelines.batching import make_batches, xla_bucket_boundaries
+from pipelines.prepared import damaged_shard
 
 _LOG = logging.getLogger("keras_transformer")
 
@@ -83,7 +85,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         "precision", "jit_compile", "replicas", "step_budget")}}, cluster,
         config.cluster.join_timeout)
     run_data.check_resumed_data(out, record)
-    run_directory.write_json_atomic(home / run_directory.CONFIG_FILE, record)
+    storage.write_json(home / run_directory.CONFIG_FILE, record)
 
     with strategy.scope():
         model = build_trainer(**record["model"], dtype=precision)
@@ -101,20 +103,9 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         )
         if not model.optimizer.built:  # (accumulation builds it; building twice duplicates)
             model.optimizer.build(model.trainable_variables)
-    # Resume: every worker restores the chief's backup (a shared filesystem is assumed).
-    backup_dir = out / run_directory.BACKUP_DIR
-    backup = backup_dir / "latest.weights.h5"
-    state: dict[str, Any] = {}
-    if backup.is_file():
-        model.load_weights(backup)
-        held = cb.global_step(model)
-        if (backup_dir / "state.json").is_file():
-            state = cb.read_backup_state(backup_dir, held) or {}
-            if not state:  # e.g. an optimizer whose variables changed
-                recorded = run_directory.read_json(backup_dir / "state.json").get("step")
-                raise UsageError(f"{backup} holds step {held}, {backup_dir / 'state.json'} "
-                                 f"says {recorded}: the backup does not match this run's "
-                                 "settings")
+    # Resume: every worker restores the chief's backup (a shared filesystem is assumed) from
+    # its newest intact generation; only the chief sets damaged files aside.
+    state = backup.restore_backup(model, out, repair=cluster.is_chief)
     step = cb.global_step(model)
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
@@ -170,8 +161,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     callbacks = [cb.FirstStepTimer(started, _LOG.info), stopper, throughput, checkpointer,
                  cb.ProgressLog(stopper, _LOG.info),
                  keras.callbacks.TerminateOnNaN(),
-                 keras.callbacks.CSVLogger(str(home / run_directory.LOG_DIR / "metrics.csv"),
-                                           append=True)]
+                 cb.MetricsLog(str(home / run_directory.LOG_DIR / "metrics.csv"), append=True)]
     if importlib.util.find_spec("tensorboard") is not None:
         callbacks.append(cb.StepTensorBoard(str(home / run_directory.LOG_DIR)))
     else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
@@ -194,13 +184,22 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     done = agree(bool(step >= max_steps or state.get("stopped_early") or (
         stopper.max_seconds is not None and stopper.elapsed_before >= stopper.max_seconds)))
     if not done:
-        model.fit(
-            train_data, epochs=math.ceil(max_steps / interval), initial_epoch=step // interval,
-            steps_per_epoch=interval * accumulate, validation_data=val_data,
-            validation_freq=validate_every // interval, callbacks=callbacks,
-            # Keras' own "Epoch 3/42" lines only with --verbose: ProgressLog counts steps.
-            verbose=2 if config.output.verbose else 0, shuffle=False,
-        )
+        try:
+            model.fit(
+                train_data, epochs=math.ceil(max_steps / interval),
+                initial_epoch=step // interval, steps_per_epoch=interval * accumulate,
+                validation_data=val_data, validation_freq=validate_every // interval,
+                callbacks=callbacks,
+                # Keras' own "Epoch 3/42" lines only with --verbose: ProgressLog counts steps.
+                verbose=2 if config.output.verbose else 0, shuffle=False,
+            )
+        except tf.errors.OpError as error:
+            # A shard damaged after its checksum was verified (the input pipeline's range
+            # check): one line naming it, not an op traceback.
+            damaged = damaged_shard(error)
+            if damaged is None:
+                raise
+            raise UsageError(str(damaged)) from None
     step = cb.global_step(model)
     return {
         "step": step, "diverged": checkpointer.diverged,

@@ -38,10 +38,11 @@ from keras_transformer.decoding.scoring import score_translations, validation_lo
 from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.serving.saved_model import export_saved_model
-from keras_transformer.training import run_data
+from keras_transformer.training import backup, run_data
 from keras_transformer.training.config import DEFAULT_MAX_STEPS, StepBudget, TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
+from pipelines import storage
 from pipelines.batching import make_batches
 from pipelines.tokenizer import SubwordTokenizer
 
@@ -87,6 +88,8 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
             other workers of a cluster are told and refuse too.
         ClusterFailure: another worker was lost; run every worker again to resume.
         TrainingDiverged: the loss became NaN (earlier checkpoints are kept).
+        StorageError: the disk is full or failing: nothing was half-written, and the same
+            config resumes from the last intact state once space is freed.
     """
     started = time.perf_counter()
     cluster = None
@@ -132,7 +135,7 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         out.mkdir(parents=True, exist_ok=True)
         if mode == "fresh":
             # Written first, so that a run killed while preparing its data is resumable.
-            run_directory.write_json_atomic(out / run_directory.CONFIG_FILE, record)
+            storage.write_json(out / run_directory.CONFIG_FILE, record)
     # Non-chief workers write their (identical) files to a scratch folder removed at the end:
     # every worker must save (variables may need collective reads), only the chief's count.
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
@@ -147,6 +150,11 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         failure = error if isinstance(error, ValueError | ClusterFailure) else cluster_error(
             error, cluster)
         if failure is None:
+            # A write of TensorFlow's or a library's own on a full disk (TensorBoard's event
+            # files): one line naming the run directory, not a traceback.
+            full = storage.storage_error(error, out)
+            if full is not None and full is not error:
+                raise full from None
             raise
         if isinstance(failure, ClusterFailure):
             raise failure from None
@@ -199,9 +207,7 @@ def describe_plan(config: TrainConfig, model_config, corpora: dict[str, Any],
                   budget: StepBudget, mode: str, prepared) -> str:
     """What a run would do (`--dry-run`); everything was checked, nothing made."""
     out = Path(config.output.out)
-    backup_state = out / run_directory.BACKUP_DIR / "state.json"
-    resume_step = (run_directory.read_json(backup_state).get("step", 0)
-                   if backup_state.is_file() else 0)
+    resume_step = backup.newest_step(out / run_directory.BACKUP_DIR)
     run = {"fresh": "new" + (" (the existing one is deleted: --overwrite)" if out.exists() else ""),
            "resume": f"resumes an interrupted run at step {resume_step}",
            "finished": "already trained (nothing to do)",
@@ -258,7 +264,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     choice = choose_final_weights(
         model, run / run_directory.CHECKPOINT_DIR, outcome["best_step"], evaluation.average_last,
         lambda candidate: validation_loss(candidate, val_batches, smoothing))
-    model.save(run / run_directory.MODEL_FILE)
+    with storage.replacing(run / run_directory.MODEL_FILE) as temporary:
+        model.save(temporary)
     results: dict[str, Any] = {
         "steps": outcome["step"], "stop_reason": outcome["reason"],
         "training_seconds": round(outcome["elapsed"], 1),
@@ -280,7 +287,7 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         hypotheses = translate_texts(model, tokenizer, sources, beam_size=evaluation.beam,
                                      alpha=evaluation.alpha)
         scores = score_translations(hypotheses, references)
-        (run / "test.hyp.txt").write_text("".join(line + "\n" for line in hypotheses))
+        storage.write_text(run / "test.hyp.txt", "".join(line + "\n" for line in hypotheses))
         results.update(scores, test_split=test.split, test_sentences=len(sources),
                        beam=evaluation.beam, alpha=evaluation.alpha)
     results["export"] = None
@@ -291,7 +298,7 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                                                    beam_size=evaluation.beam,
                                                    alpha=evaluation.alpha))
     results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
-    run_directory.write_json_atomic(run / run_directory.RESULTS_FILE, results)
+    storage.write_json(run / run_directory.RESULTS_FILE, results)
     summarize(run, results)
     return results
 

@@ -84,11 +84,12 @@ def check_prepared(config: TrainConfig, prepared) -> None:
 
 def find_prepared(config: TrainConfig, corpora: dict[str, Any],
                   will_overwrite: bool) -> PreparedCorpus | None:
-    """The complete, matching prepared data of this run, or None if they must be made.
+    """The complete, matching, undamaged prepared data of this run, or None if they must be
+    made. Every shard file's checksum is verified (`PreparedCorpus.verify`).
 
     Raises:
-        UsageError: prepared data made with other settings, or from files changed since, or
-            none and no train split to prepare them from.
+        UsageError: prepared data made with other settings, from files changed since, or
+            damaged; or none and no train split to prepare them from.
     """
     directory = prepared_dir(config)
     inside_run = not config.data.prepared
@@ -108,6 +109,10 @@ def find_prepared(config: TrainConfig, corpora: dict[str, Any],
     except PreparedError as error:
         raise UsageError(str(error)) from None
     check_prepared(config, prepared)
+    try:
+        prepared.verify()  # after the cheap checks: it reads every byte
+    except PreparedError as error:
+        raise UsageError(str(error)) from None
     return prepared
 
 
@@ -129,11 +134,14 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
     or, on other workers, read once the chief has it.
 
     In a multi-worker run every worker waits at one barrier until the chief has the data
-    (up to PREPARE_WAIT_SECONDS); a worker lost meanwhile fails it at once.
+    (up to PREPARE_WAIT_SECONDS); a worker lost meanwhile fails it at once. Data read here
+    (the chief's, on other workers) are verified (`PreparedCorpus.verify`) as
+    `find_prepared` verifies those found; data just prepared by this process are not: their
+    checksums were computed from the bytes it wrote, which the page cache would return.
 
     Raises:
         UsageError: the tokenizer cannot be trained, the chief's data are not visible on
-            this worker, or there are fewer shards than workers.
+            this worker or are damaged, or there are fewer shards than workers.
         ClusterFailure: a worker was lost, or the chief took longer than the wait.
     """
     directory = prepared_dir(config)
@@ -158,6 +166,10 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
             raise UsageError(f"{error}; the chief prepared it: is {directory} the same shared "
                              "path on every machine (or a copy of it)?") from None
         check_prepared(config, prepared)
+        try:
+            prepared.verify()
+        except PreparedError as error:
+            raise UsageError(str(error)) from None
     if prepared.num_shards < cluster.num_workers:
         raise UsageError(f"{directory} has {prepared.num_shards} shard(s) for "
                          f"{cluster.num_workers} workers (each reads its own); prepare it with "

@@ -11,8 +11,14 @@ from keras_transformer import run_directory
 from keras_transformer.decoding.scoring import score_translations as score
 from keras_transformer.decoding.search import beam_search, encode_texts
 from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.evaluate import main
-from tests.serving.test_saved_model import shared_artifacts
+from tests.serving.test_saved_model import (
+    fill,
+    no_space_at_sync,
+    shared_artifacts,
+    small_filesystem,
+)
 
 SOURCES = ["Ein Hund läuft im Park.", "Zwei Kinder spielen.", "Eine Frau.",
            "Ein Mann sitzt auf einem roten Fahrrad.", "Hund."]
@@ -99,6 +105,28 @@ def test_cli_bad_input_is_one_clear_line(run_dir, tmp_path, capsys, problem):
     expected = {"missing_file": "nope.txt", "mismatch": "has 3 lines but",
                 "not_a_model": "not a model directory"}[problem]
     assert expected in err
+
+
+def test_cli_full_disk_at_output_exits_4_with_one_line(run_dir, tmp_path, capsys,
+                                                       monkeypatch):
+    src, ref = tmp_path / "test.de", tmp_path / "test.en"
+    src.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(REFERENCES) + "\n", encoding="utf-8")
+    disk = tmp_path / "disk"
+    with small_filesystem(disk, 64 * 1024) as mounted:
+        if mounted:
+            fill(disk)
+        else:
+            no_space_at_sync(monkeypatch, disk)
+        hypotheses = disk / "hyp.en"
+        code = main(["--model", str(run_dir), "--src-file", str(src), "--ref-file", str(ref),
+                     "--beam", "1", "--output", str(hypotheses)])
+        err = capsys.readouterr().err
+        assert code == EXIT_STORAGE and "Traceback" not in err
+        errors = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("evaluate: error: no space left")
+        assert str(hypotheses) in errors[0]
+        assert not hypotheses.exists() and not list(disk.glob(".tmp-*"))
 
 
 def test_cli_usage_errors_exit_non_zero(capsys):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
+from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.prepare import main as prepare_main
 from keras_transformer.train import main as train_main
-from tests.cli.test_train import TINY, write_toy_corpus
+from tests.cli.test_train import REPO, TINY, cli_env, write_toy_corpus
+from tests.pipelines.test_prepared import PAGE, full_disk
 
 PREPARE = ["--src", "xx", "--tgt", "yy", "--vocab-size", "300", "--max-length", "32"]
 
@@ -72,8 +76,15 @@ def test_a_damaged_preparation_is_refused(tmp_path, capsys):
     prepared = tmp_path / "prepared"
     assert prepare_main(["--data", str(data), *PREPARE, "--out", str(prepared)]) == 0
     shard = sorted(prepared.glob("*.ids"))[0]
-    shard.write_bytes(shard.read_bytes()[:-2])
+    original = shard.read_bytes()
+    shard.write_bytes(original[:8] + bytes(8) + original[16:])  # changed at the same size
     out = tmp_path / "run"
+    assert train_main(["--data", str(data), *TINY, "--prepared", str(prepared),
+                       "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {shard}: checksum ") and "the manifest says" in error
+    assert len(error.splitlines()) == 1 and not out.exists()
+    shard.write_bytes(original[:-2])
     assert train_main(["--data", str(data), *TINY, "--prepared", str(prepared),
                        "--out", str(out)]) == 2
     assert "damaged" in capsys.readouterr().err and not out.exists()
@@ -111,3 +122,22 @@ def test_prepare_refuses_an_existing_directory_and_bad_flags(tmp_path, capsys):
     assert prepare_main(["--data", str(data), "--src", "xx", "--tgt", "xx",
                          "--out", str(tmp_path / "p2")]) == 2
     assert "both 'xx'" in capsys.readouterr().err and not (tmp_path / "p2").exists()
+
+
+def test_a_full_disk_is_one_line_and_exit_status_4(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=60)
+    disk = tmp_path / "disk"
+    with full_disk(disk, PAGE) as how:  # the tokenizer does not fit
+        argv = ["--data", str(data), *PREPARE, "--out", str(disk / "prepared")]
+        if how == "tmpfs":  # as a user runs it
+            result = subprocess.run([sys.executable, "-m", "keras_transformer.prepare", *argv],
+                                    cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                                    timeout=300)
+            status, out, err = result.returncode, result.stdout, result.stderr
+        else:  # Python's writes patched: in this process
+            status = prepare_main(argv)
+            out, err = capsys.readouterr()
+        assert status == EXIT_STORAGE == 4, out + err
+        assert err.startswith(f"error: no space left on the device writing {disk / 'prepared'} ")
+        assert len(err.splitlines()) == 1 and "Traceback" not in out + err
+        assert list(disk.iterdir()) == []

@@ -17,6 +17,7 @@ import pytest
 from keras_transformer.flags import build_train_parser
 from keras_transformer.run_directory import load_run
 from keras_transformer.train import main
+from keras_transformer.training.backup import list_generations
 from keras_transformer.training.checkpoints import average_checkpoints
 from keras_transformer.training.config import config_from_flags
 
@@ -183,8 +184,9 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
     assert 0.0 <= results["bleu"] <= 100.0 and "tok:13a" in results["bleu_signature"]
     assert results["best_val_loss"] is not None
     for name in ("model.keras", "config.json", "tokenizer", "logs/metrics.csv",
-                 "checkpoints/best.weights.h5", "backup/latest.weights.h5", "test.hyp.txt"):
+                 "checkpoints/best.weights.h5", "test.hyp.txt"):
         assert (out / name).exists(), name
+    assert [step for step, _ in list_generations(out / "backup")] == [30, 20]
     assert "BLEU" in result.stdout and str(out / "model.keras") in result.stdout
     # model.keras holds the candidate (the last 2 averaged, those up to / around the best
     # step, the best checkpoint) with the lowest validation loss, and says why.

@@ -11,10 +11,16 @@ import tensorflow as tf
 
 from keras_transformer import run_directory
 from keras_transformer.decoding.translator import ModelError, load_translator, translate_texts
+from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.logs import is_native_log_line
 from keras_transformer.translate import main
 from tests.cli.test_train import cli_env
-from tests.serving.test_saved_model import shared_artifacts
+from tests.serving.test_saved_model import (
+    fill,
+    no_space_at_sync,
+    shared_artifacts,
+    small_filesystem,
+)
 
 LINES = ["Ein Hund läuft im Park.", "", "Zwei Kinder spielen mit einem Ball."]
 
@@ -101,3 +107,27 @@ def test_bad_input_is_one_clear_line(paths, tmp_path, capfd, problem):
 def test_load_translator_rejects_an_empty_folder(tmp_path):
     with pytest.raises(ModelError, match="not a model directory"):
         load_translator(tmp_path)
+
+
+def test_a_full_disk_at_output_exits_4_with_one_line_and_keeps_the_old_file(
+        paths, tmp_path, capfd, monkeypatch):
+    run, _ = paths
+    source = tmp_path / "input.txt"
+    source.write_text("Ein Hund.\n", encoding="utf-8")
+    disk = tmp_path / "disk"
+    with small_filesystem(disk, 64 * 1024) as mounted:
+        output = disk / "out.txt"
+        output.write_text("earlier translations\n", encoding="utf-8")
+        if mounted:
+            fill(disk)
+        else:
+            no_space_at_sync(monkeypatch, disk)
+        assert main(["--model", str(run), "--input", str(source), "--output", str(output),
+                     "--beam", "1"]) == EXIT_STORAGE
+        err = capfd.readouterr().err
+        errors = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("translate: error: no space left")
+        assert str(output) in errors[0] and "free space" in errors[0]
+        assert "Traceback" not in err
+        assert output.read_text(encoding="utf-8") == "earlier translations\n"
+        assert not list(disk.glob(".tmp-*"))

@@ -25,6 +25,7 @@ from keras_transformer.cluster.workers import (
     cluster_error,
     read_cluster,
 )
+from keras_transformer.training.backup import newest_step
 from keras_transformer.training.callbacks import AgreedStop, StopAt
 from tests.cli.test_train import REPO, cli_env, write_toy_corpus
 
@@ -364,9 +365,8 @@ def test_a_killed_worker_stops_the_other_in_bounded_time_and_a_restart_resumes(
              "--no-export"]
     ports = free_ports(2)
     processes = two_workers(launch, data, out, [flags, flags], ports, tmp_path)
-    state = out / "backup" / "state.json"
     deadline = time.monotonic() + 180
-    while not (state.is_file() and json.loads(state.read_text())["step"] >= 4):
+    while newest_step(out / "backup") < 4:
         assert time.monotonic() < deadline and processes[0].poll() is None, "no backup"
         time.sleep(0.2)
     processes[1].kill()
@@ -381,7 +381,7 @@ def test_a_killed_worker_stops_the_other_in_bounded_time_and_a_restart_resumes(
     assert "the cluster lost a worker (worker 1 (127.0.0.1:" in last, last
     assert "Restart every worker with the same command" in last
     assert not (out / "results.json").exists()
-    backed_up = json.loads(state.read_text())["step"]
+    backed_up = newest_step(out / "backup")
     assert 4 <= backed_up < 24
 
     # The same two commands again: the run resumes from the backup and finishes.

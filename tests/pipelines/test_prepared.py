@@ -1,11 +1,18 @@
 """pipelines.prepared, the chunk stream of pipelines.batching and the streaming parts of
 pipelines.corpora, on small corpora written by the tests (and, marked integration, Multi30k)."""
 
+import builtins
 import collections
+import contextlib
+import errno
+import json
 import logging
 import os
 import shutil
 import socket
+import subprocess
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +20,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-import pipelines.prepared as prepared_module
+import pipelines.shard_files as shard_files_module
 from pipelines.batching import (
     StreamPosition,
     _chunk_order,
@@ -33,8 +40,10 @@ from pipelines.prepared import (
     MANIFEST_FILE,
     PreparedCorpus,
     PreparedError,
+    damaged_shard,
     prepare_corpus,
 )
+from pipelines.storage import StorageError
 from pipelines.tokenizer import train_tokenizer
 from tests.pipelines.test_batching import as_numpy
 from tests.pipelines.test_corpora import write
@@ -115,6 +124,94 @@ def per_epoch(prepared, budget=BUDGET, max_length=MAX_LENGTH, boundaries=None) -
     """Batches of one epoch, from the shards' batch plans."""
     ends = prepared.shard_batches(budget, max_length, bucket_boundaries=boundaries)
     return int(sum(len(e) for e in ends))
+
+
+PAGE = 4096  # what tmpfs allocates a file's content in
+REAL_OPEN = builtins.open
+
+
+def pages(*files: Path) -> int:
+    """The bytes that `files` take on a tmpfs: whole pages."""
+    return sum(-(-file.stat().st_size // PAGE) * PAGE for file in files)
+
+
+@contextlib.contextmanager
+def full_disk(folder: Path, free: int, mount: bool = True) -> Iterator[str]:
+    """`folder` (created empty) as a file system with `free` bytes: a tmpfs of that size
+    (rounded up to pages) mounted there where this user may (root, as in CI's containers),
+    else Python's writes of files under it failing with ENOSPC past `free` bytes (all the
+    project's writes go through `open`). Yields how: "tmpfs" or "patched"."""
+    folder.mkdir(parents=True)
+    size = max(PAGE, -(-free // PAGE) * PAGE)
+    mounted = mount and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        capture_output=True).returncode == 0
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            if not mounted:
+                patch.setattr(builtins, "open", _LimitedOpen(folder, free))
+            yield "tmpfs" if mounted else "patched"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+class _LimitedOpen:
+    """`open` for `full_disk` without a mount: files written under `folder` get `free` bytes
+    in all, then ENOSPC, as a full disk would report it."""
+
+    def __init__(self, folder: Path, free: int):
+        self.folder, self.free, self.open = folder.resolve(), free, REAL_OPEN
+
+    def __call__(self, file, mode="r", *args, **kwargs):
+        handle = self.open(file, mode, *args, **kwargs)
+        if not set(mode) & set("wax+") or not isinstance(file, str | os.PathLike) or \
+                self.folder not in Path(file).resolve().parents:
+            return handle
+        return _LimitedFile(handle, self)
+
+    def spend(self, count: int, path: str) -> None:
+        if count > self.free:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        self.free -= count
+
+
+class _LimitedFile:
+    def __init__(self, handle, disk: _LimitedOpen):
+        self._handle, self._disk = handle, disk
+
+    def write(self, data):
+        self._disk.spend(len(data), self._handle.name)
+        return self._handle.write(data)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self._handle.close()
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def copy_of(prepared: PreparedCorpus, folder: Path, **manifest_changes) -> Path:
+    """A copy of `prepared`'s directory in `folder`, its manifest changed as given."""
+    shutil.copytree(prepared.directory, folder)
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    manifest.update(manifest_changes)
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return folder
+
+
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    """Replaces bytes of `path` in place (same size): what a failing disk does."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(data)
 
 
 # --- fixtures ------------------------------------------------------------------------------
@@ -496,21 +593,159 @@ def test_invalid_corpus_fails_before_anything_is_written(corpus, tmp_path, damag
 
 def test_failure_while_writing_leaves_nothing(folder, tmp_path, monkeypatch):
     split = open_corpus(folder, "train", "de", "en")
-    write_shards = prepared_module._write_shards
+    write_shards = shard_files_module.write_shards
 
     def fail_after_writing(*args, **kwargs):
         write_shards(*args, **kwargs)
-        raise OSError("No space left on device")
+        raise PermissionError(errno.EACCES, "Permission denied")  # not the storage's fault
 
-    monkeypatch.setattr(prepared_module, "_write_shards", fail_after_writing)
-    with pytest.raises(OSError, match="No space left"):
+    monkeypatch.setattr(shard_files_module, "write_shards", fail_after_writing)
+    with pytest.raises(PermissionError, match="Permission denied"):
         prepare_corpus(split, tmp_path / "prep", **SETTINGS)
     assert not (tmp_path / "prep").exists() and staging_folders(tmp_path) == []
-    monkeypatch.setattr(prepared_module, "_write_shards", write_shards)
+    monkeypatch.setattr(shard_files_module, "write_shards", write_shards)
     assert prepare_corpus(split, tmp_path / "prep", **SETTINGS).pairs > 0
 
 
-# --- 6. determinism; settings and source checks; waiting ------------------------------------
+@pytest.mark.parametrize("stage", ["tokenizer", "shards"])
+def test_a_full_disk_raises_storage_error_and_leaves_nothing(folder, prepared, tmp_path, stage):
+    # The disk is full while the tokenizer is saved, or later, in the middle of the shards.
+    tokenizer = pages(*(prepared.directory / "tokenizer").iterdir())
+    free = PAGE if stage == "tokenizer" else tokenizer + PAGE
+    disk = tmp_path / "disk"
+    with full_disk(disk, free):
+        split = open_corpus(folder, "train", "de", "en")
+        with pytest.raises(StorageError) as raised:
+            prepare_corpus(split, disk / "prep", **SETTINGS)
+        error = raised.value
+        assert error.errno == errno.ENOSPC and error.path == disk / "prep"
+        message = str(error)
+        assert message.startswith(f"no space left on the device writing {disk / 'prep'} (")
+        assert "free space (or fix the disk) and run the same command again" in message
+        assert "\n" not in message
+        if stage == "shards":  # the shards' size, extrapolated from those made
+            shards = sum(s["ids_bytes"] + s["lengths_bytes"] for s in prepared.manifest["shards"])
+            assert 0.5 * shards < error.needed < 2 * shards
+        assert list(disk.iterdir()) == []  # neither DIR nor a staging folder
+    assert list(disk.iterdir()) == []
+
+
+def test_the_full_disk_of_the_tests_without_a_mount(tmp_path):
+    # full_disk's fallback where mounting is not permitted: Python's writes get ENOSPC.
+    with full_disk(tmp_path / "disk", 10, mount=False) as how:
+        assert how == "patched"
+        with open(tmp_path / "disk" / "small", "wb") as handle:
+            handle.write(b"0123456789")
+        with pytest.raises(OSError) as raised, open(tmp_path / "disk" / "more", "wb") as handle:
+            handle.write(b"x")
+        assert raised.value.errno == errno.ENOSPC
+        assert (tmp_path / "disk" / "small").read_bytes() == b"0123456789"  # reads are normal
+        with open(tmp_path / "elsewhere", "wb") as handle:  # other folders are not full
+            handle.write(b"0123456789" * 10)
+    assert builtins.open is REAL_OPEN
+
+
+# --- 6. damage: checksums, and the input pipeline's checks -----------------------------------
+
+
+def test_each_shard_file_has_its_crc32_in_the_manifest(prepared):
+    for shard in prepared.manifest["shards"]:
+        for kind in ("ids", "lengths"):
+            data = (prepared.directory / shard[kind]).read_bytes()
+            assert shard[f"{kind}_crc32"] == f"{zlib.crc32(data):08x}"
+    prepared.verify()
+
+
+@pytest.mark.parametrize("kind", ["ids", "lengths"])
+def test_verify_finds_bytes_changed_at_the_same_size(prepared, tmp_path, kind):
+    copy = copy_of(prepared, tmp_path / "copy")
+    shard = prepared.manifest["shards"][3]
+    damaged = copy / shard[kind]
+    overwrite(damaged, 16, b"\xde\xad\xbe\xef\xde\xad\xbe\xef")  # 8 bytes
+    loaded = PreparedCorpus.load(copy)  # the sizes are right
+    loaded.verify(shards=[0, 1, 2, 4, 5, 6])  # only the others
+    with pytest.raises(PreparedError) as raised:
+        loaded.verify()
+    found = f"{zlib.crc32(damaged.read_bytes()):08x}"
+    assert str(raised.value) == (
+        f"{damaged}: checksum {found}, the manifest says {shard[f'{kind}_crc32']}: the "
+        "prepared corpus is damaged (a failing disk or an incomplete copy); prepare it again, "
+        "or copy it again from where it was prepared")
+    damaged.unlink()
+    with pytest.raises(PreparedError, match=rf"{damaged}: unreadable \(No such file"):
+        loaded.verify([3])
+
+
+def test_a_manifest_without_checksums_still_loads_and_verifies_nothing(prepared, tmp_path):
+    # As written before checksums were recorded (the format version is the same).
+    shards = [{key: value for key, value in shard.items() if not key.endswith("_crc32")}
+              for shard in prepared.manifest["shards"]]
+    copy = copy_of(prepared, tmp_path / "copy", shards=shards)
+    loaded = PreparedCorpus.load(copy)
+    assert loaded.manifest["shards"] == shards
+    assert collections.Counter(epoch_pairs(loaded)) == collections.Counter(epoch_pairs(prepared))
+    overwrite(copy / shards[0]["lengths"], 0, b"\x01\x00\x00\x00")
+    loaded.verify()  # nothing to compare with; the input pipeline's checks still see it
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        epoch_pairs(loaded)
+    assert str(damaged_shard(raised.value)).startswith(f"{copy / shards[0]['lengths']}: ")
+
+
+def damaged_copy(prepared, folder: Path, kind: str) -> tuple[PreparedCorpus, Path]:
+    """A copy whose shard 3 holds an id past the vocabulary ("ids") or a length one too
+    large ("lengths"), with the manifest's checksum made to match: only the input
+    pipeline's checks can find it."""
+    copy = copy_of(prepared, folder)
+    shard = prepared.manifest["shards"][3]
+    damaged = copy / shard[kind]
+    if kind == "ids":
+        overwrite(damaged, 10, np.array([60000], "<u2").tobytes())
+    else:
+        lengths = np.frombuffer(damaged.read_bytes(), "<i4")
+        overwrite(damaged, 4, np.array([lengths[1] + 1], "<i4").tobytes())
+    manifest = json.loads((copy / MANIFEST_FILE).read_text())
+    manifest["shards"][3][f"{kind}_crc32"] = f"{zlib.crc32(damaged.read_bytes()):08x}"
+    (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    loaded = PreparedCorpus.load(copy)
+    loaded.verify()
+    return loaded, damaged
+
+
+@pytest.mark.parametrize("kind", ["ids", "lengths"])
+def test_the_input_pipeline_refuses_a_damaged_shard_in_one_line(prepared, tmp_path, kind):
+    loaded, damaged = damaged_copy(prepared, tmp_path / "copy", kind)
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        as_numpy(loaded.batches(tokens_per_batch=BUDGET, repeat=False))
+    error = damaged_shard(raised.value)
+    assert isinstance(error, PreparedError)
+    ids = np.frombuffer(damaged.with_suffix(".ids").read_bytes(), "<u2")
+    lengths = np.frombuffer(damaged.with_suffix(".lengths").read_bytes(), "<i4")
+    detail = (f"token id 60000 among its {len(ids)} ids, outside the vocabulary (0 to "
+              f"{VOCAB - 1})" if kind == "ids" else f"lengths adding up to {lengths.sum()} "
+              f"pieces (the shortest {lengths.min()}) where its .ids file holds {len(ids)}")
+    assert str(error) == (
+        f"{damaged}: {detail}: the prepared corpus is damaged (a failing disk or an incomplete "
+        "copy); prepare it again, or copy it again from where it was prepared")
+    # Other errors are not taken for damage.
+    assert damaged_shard(ValueError("assertion failed: [x]")) is None
+    assert damaged_shard(tf.errors.InvalidArgumentError(None, None, "other")) is None
+
+
+def test_ids_stored_as_int32_are_checked_below_zero_too(tmp_path):
+    # A vocabulary above 65,536 ids is stored as int32, where a damaged id can be negative.
+    (tmp_path / "a.ids").write_bytes(np.array([5, 70000, -3, 9], "<i4").tobytes())
+    (tmp_path / "a.lengths").write_bytes(np.array([2, 2], "<i4").tobytes())
+    files = (tf.constant(str(tmp_path / "a.ids")), tf.constant(str(tmp_path / "a.lengths")))
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        shard_files_module.read_shard(*files, tf.int32, 80000)
+    assert shard_files_module.failed_check(raised.value) == (
+        f"{tmp_path / 'a.ids'}: token id -3 among its 4 ids, outside the vocabulary (0 to 79999)")
+    (tmp_path / "a.ids").write_bytes(np.array([5, 70000, 3, 9], "<i4").tobytes())
+    rows = shard_files_module.read_shard(*files, tf.int32, 80000)
+    assert rows.to_list() == [[5, 70000], [3, 9]]
+
+
+# --- 7. determinism; settings and source checks; waiting ------------------------------------
 
 
 def test_same_seed_same_files(folder, prepared, corpus, tmp_path, caplog):

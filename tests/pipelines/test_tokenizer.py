@@ -1,5 +1,6 @@
 """pipelines.tokenizer: round trip, special ids, graph use, SavedModel, caching on disk."""
 
+import errno
 import json
 import os
 
@@ -9,6 +10,7 @@ import tensorflow as tf
 
 from pipelines import tokenizer as tokenizer_module
 from pipelines.corpora import ParallelCorpus, corpus_fingerprint
+from pipelines.storage import StorageError
 from pipelines.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -19,6 +21,7 @@ from pipelines.tokenizer import (
     train_or_load_tokenizer,
     train_tokenizer,
 )
+from tests.pipelines.test_prepared import full_disk, pages
 
 # Casing, double and trailing spaces, tabs, punctuation, and characters never seen in
 # training (emoji, CJK, Greek, ligature, NBSP) that only byte fallback can reproduce.
@@ -159,6 +162,20 @@ def test_save_refuses_a_foreign_directory_and_leaves_nothing_half_written(
     with pytest.raises(OSError, match="disk full"):
         small_tokenizer.save(tmp_path / "tok")
     assert sorted(os.listdir(tmp_path)) == ["model_dir"]
+
+
+def test_a_full_disk_keeps_the_tokenizer_that_was_there(small_tokenizer, tmp_path):
+    small_tokenizer.save(tmp_path / "sizes")
+    one = pages(*(tmp_path / "sizes").iterdir())
+    disk = tmp_path / "disk"
+    with full_disk(disk, one):  # room for one tokenizer, not for its replacement beside it
+        small_tokenizer.save(disk / "tok")
+        with pytest.raises(StorageError) as raised:
+            small_tokenizer.save(disk / "tok")
+        assert raised.value.errno == errno.ENOSPC and raised.value.path == disk / "tok"
+        assert str(raised.value).startswith(f"no space left on the device writing {disk / 'tok'}")
+        assert os.listdir(disk) == ["tok"]  # no temporary folder left
+        assert SubwordTokenizer.load(disk / "tok").model_proto == small_tokenizer.model_proto
 
 
 def test_rejects_models_with_other_special_ids(tmp_path, small_corpus):

@@ -3,6 +3,9 @@ the same per-token log-probabilities as ours, and the export CLI writes a loadab
 
 from __future__ import annotations
 
+import errno
+import shutil
+import subprocess
 from pathlib import Path
 
 import ctranslate2
@@ -12,6 +15,7 @@ import pytest
 import sentencepiece as spm
 
 from keras_transformer import run_directory
+from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.export import main as export_main
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.serving.ctranslate2 import (
@@ -20,8 +24,10 @@ from keras_transformer.serving.ctranslate2 import (
     translate_with_ctranslate2,
 )
 from pipelines.constants import BOS_ID, EOS_ID
+from pipelines.storage import StorageError
 from pipelines.tokenizer import train_tokenizer
 from tests.cli.test_train import write_toy_corpus
+from tests.serving.test_saved_model import small_filesystem, snapshot
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,51 @@ def test_export_refuses_an_existing_directory_and_pre_norm_models(run, tmp_path)
     with pytest.raises(ValueError, match="only post-norm"):
         transformer_spec(pre_norm, tokenizer)
     assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written
+
+
+def _serialize_on_a_full_disk(spec, path):
+    """`ModelSpec._serialize` (model.bin) on a full disk: part written, then Python's ENOSPC."""
+    with open(path, "wb") as handle:
+        handle.write(bytes(4096))
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("cli", [False, True])
+def test_a_full_disk_stops_the_export_and_leaves_nothing(run, tmp_path, capfd, monkeypatch,
+                                                         cli):
+    model, tokenizer = run_directory.load_run(run)
+    earlier = tmp_path / "ct2"
+    export_ctranslate2(model, tokenizer, earlier)
+    size = sum(file.stat().st_size for file in earlier.iterdir())
+    disk = tmp_path / "disk"
+    # Room for a copy of the earlier export and half of a new one (340 KB of weights).
+    with small_filesystem(disk, size + 160_000) as mounted:
+        shutil.copytree(earlier, disk / "ct2-old")
+        before = snapshot(disk / "ct2-old")
+        if not mounted:
+            monkeypatch.setattr(ctranslate2.specs.model_spec.ModelSpec, "_serialize",
+                                _serialize_on_a_full_disk)
+        new = disk / "ct2-new"
+        if cli:
+            capfd.readouterr()
+            assert export_main(["--model", str(run), "--format", "ctranslate2",
+                                "--export-base", str(new)]) == EXIT_STORAGE
+            err = capfd.readouterr().err
+            errors = [line for line in err.splitlines() if "error" in line.lower()]
+            assert len(errors) == 1 and errors[0].startswith("export: error: no space left")
+            assert str(new) in errors[0] and "needed" in errors[0]
+            assert "Traceback" not in err
+        else:
+            with pytest.raises(StorageError) as failure:
+                export_ctranslate2(model, tokenizer, new)
+            assert failure.value.errno == errno.ENOSPC and failure.value.path == new
+            assert abs(failure.value.needed - size) < 0.05 * size  # from the spec's arrays
+        assert sorted(p.name for p in disk.iterdir()) == ["ct2-old"]  # no staging, no half
+        assert snapshot(disk / "ct2-old") == before
+        if mounted:  # free space: the same export now succeeds
+            subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+        monkeypatch.undo()
+        assert snapshot(export_ctranslate2(model, tokenizer, new)) == snapshot(earlier)
 
 
 class FixedTranslator:

@@ -1,11 +1,14 @@
 """SavedModel export for TF Serving (keras_transformer.export).
 
 Also provides the tiny tokenizer/model/run-directory helpers that the translate, evaluate and
-plot tests import.
+plot tests import, and a small file system to fill (`small_filesystem`, `fill`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
@@ -31,6 +34,8 @@ from keras_transformer.serving.saved_model import (
     latest_version,
     serving_model,
 )
+from pipelines import storage
+from pipelines.storage import StorageError
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
 _GERMAN = ("ein eine der die das hund katze mann frau kind spielt läuft auf im park mit einem "
@@ -350,3 +355,95 @@ def test_export_contains_only_standard_ops(exported):
                  for node in function.node_def}
     assert "MatMul" in op_types or "BatchMatMulV2" in op_types
     assert not {op for op in op_types if op.startswith("Kt")}
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: int):
+    """A tmpfs of `size` bytes mounted at `path` (yields True), or a plain folder where
+    mounting is not permitted (False): the test then makes its write fail as on a full disk.
+    Always unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = shutil.which("mount") is not None and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={-(-size // 4096) * 4}k", "tmpfs", str(path)],
+        capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Writes `folder`/filler until the file system is full (ENOSPC)."""
+    descriptor = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(descriptor, bytes(4096)):
+            pass
+    except OSError as error:
+        assert error.errno == errno.ENOSPC, error
+    finally:
+        os.close(descriptor)
+
+
+def no_space_at_sync(monkeypatch, disk: Path) -> None:
+    """Where no tmpfs can be mounted: every write through `pipelines.storage` into `disk`
+    fails as on a full disk, once its temporary file is written."""
+    original = storage.sync_file
+
+    def sync_file(path):
+        if Path(path).is_relative_to(disk):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        original(path)
+
+    monkeypatch.setattr(storage, "sync_file", sync_file)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Relative path -> SHA-256 of every file under `folder`."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def _save_on_a_full_disk(module, directory, signatures=None):
+    """`tf.saved_model.save` on a full disk, as it fails on a tmpfs: part of the variables
+    written, then a ResourceExhaustedError with the errno text."""
+    temporary = Path(directory, "variables", "variables_temp")
+    temporary.mkdir(parents=True)
+    part = temporary / "part-00000-of-00001.data-00000-of-00001.tempstate1"
+    part.write_bytes(bytes(4096))
+    raise tf.errors.ResourceExhaustedError(None, None, f"{part}; No space left on device "
+                                           "[Op:SaveV2]")
+
+
+def test_a_full_disk_stops_the_export_and_leaves_the_earlier_version(exported, tmp_path,
+                                                                      monkeypatch):
+    tokenizer, model, path, _ = exported
+    earlier = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    disk = tmp_path / "disk"
+    # Room for a copy of the earlier version, not for the new one's variables (250 KB).
+    with small_filesystem(disk, earlier + 160_000) as mounted:
+        base = disk / "demo"
+        shutil.copytree(path, base / "1")
+        before = snapshot(base / "1")
+        if not mounted:
+            monkeypatch.setattr(tf.saved_model, "save", _save_on_a_full_disk)
+        with pytest.raises(StorageError) as failure:
+            export_saved_model(model, tokenizer, base, max_input_tokens=MAX_INPUT_TOKENS,
+                               max_extra_length=MAX_EXTRA, chunk_size=CHUNK)
+        error = failure.value
+        assert error.errno == errno.ENOSPC and error.path == base / "2"
+        # The weights are what it needed at least (the export failed while writing them).
+        assert error.needed >= 4 * model.count_params()
+        message = str(error)
+        assert str(base / "2") in message and "needed" in message and "\n" not in message
+        assert [p.name for p in base.iterdir()] == ["1"]  # no temporary folder, no version 2
+        assert snapshot(base / "1") == before
+        # Free space (or no failure any more), run the same export again: version 2.
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        monkeypatch.undo()
+        again = export_saved_model(model, tokenizer, base, max_input_tokens=MAX_INPUT_TOKENS,
+                                   max_extra_length=MAX_EXTRA, chunk_size=CHUNK)
+        assert again == base / "2" and latest_version(base) == 2
+        assert snapshot(again).keys() == before.keys()
+        assert not [p for p in base.iterdir() if p.name.startswith(".")]

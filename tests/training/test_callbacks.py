@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
-from keras_transformer import run_directory
 from keras_transformer.training.callbacks import StopAt, TokenCount
 from keras_transformer.training.checkpoints import (
     checkpoint_path,
@@ -84,51 +82,10 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     assert (tmp_path / "ckpt" / "best.weights.h5").is_file()
     assert checkpointer.best_step == 20 and model.stop_training
     assert "early stopping" in stopper.reason
-    state = json.loads((tmp_path / "backup" / "state.json").read_text())
+    state = json.loads((tmp_path / "backup" / "step-00000040" / "state.json").read_text())
     assert state["step"] == 40 and state["best_val_loss"] == 4.0 and state["stopped_early"]
     # NaN losses are never checkpointed.
     model.stop_training = False
     model.optimizer.iterations.assign(50)
     checkpointer.on_epoch_end(4, {"loss": float("nan")})
     assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
-
-
-@pytest.mark.parametrize("killed_after", ["state.next.json", "latest.weights.h5"])
-def test_a_backup_killed_between_its_files_still_pairs_weights_and_state(
-        tmp_path, monkeypatch, killed_after):
-    from keras_transformer.training import callbacks
-
-    model = _compiled_tiny_model()
-    backup = tmp_path / "backup"
-    backup.mkdir()
-    model.optimizer.iterations.assign(10)
-    callbacks.write_backup(model, backup, {"step": 10, "best_step": 10})
-
-    # The next backup (step 20) is killed right after writing `killed_after`.
-    class Killed(Exception):
-        pass
-
-    def dies_after(write):
-        def wrapped(*args):
-            write(*args)
-            raise Killed
-
-        return wrapped
-
-    if killed_after == "state.next.json":
-        monkeypatch.setattr(callbacks.run_directory, "write_json_atomic",
-                            dies_after(run_directory.write_json_atomic))
-    else:
-        monkeypatch.setattr(callbacks, "save_training_state",
-                            dies_after(callbacks.save_training_state))
-    model.optimizer.iterations.assign(20)
-    with pytest.raises(Killed):
-        callbacks.write_backup(model, backup, {"step": 20, "best_step": 20})
-    monkeypatch.undo()
-
-    restored = _compiled_tiny_model()
-    restored.load_weights(backup / "latest.weights.h5")
-    step = int(restored.optimizer.iterations.numpy())
-    assert step == (10 if killed_after == "state.next.json" else 20)
-    assert callbacks.read_backup_state(backup, step) == {"step": step, "best_step": step}
-    assert callbacks.read_backup_state(backup, 30) is None

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from keras_transformer.model.transformer import build_transformer
-from keras_transformer.training.callbacks import save_model_weights
 from keras_transformer.training.checkpoints import (
     average_weight_files,
     averaging_windows,
     checkpoint_path,
     list_checkpoints,
+    save_model_weights,
     steps_to_keep,
 )
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keras_transformer.training.callbacks import save_model_weights
-from keras_transformer.training.checkpoints import checkpoint_path
+from keras_transformer.training.checkpoints import checkpoint_path, save_model_weights
 from tests.training.test_checkpoints import _model_with_constant_weights
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from keras_transformer.training.backup import newest_step
 from tests.cli.test_train import REPO, TINY, cli_env, write_toy_corpus
 
 STEPS, EVERY = 30, 10
@@ -42,17 +43,16 @@ def test_sigkill_mid_run_then_same_command_resumes_to_the_same_result(tmp_path):
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     victim = subprocess.Popen(_command(data, resumed), cwd=REPO, env=cli_env(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state = resumed / "backup" / "state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and victim.poll() is None:
-        if state.is_file() and json.loads(state.read_text())["step"] >= EVERY:
+        if newest_step(resumed / "backup") >= EVERY:
             break
         time.sleep(0.05)
     assert victim.poll() is None, "the run ended before it could be killed"
     time.sleep(0.3)  # somewhere inside the next interval
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    killed_at = json.loads(state.read_text())["step"]
+    killed_at = newest_step(resumed / "backup")
     assert EVERY <= killed_at < STEPS
     assert not (resumed / "results.json").exists()
 
@@ -118,7 +118,7 @@ def test_killed_between_micro_batches_of_one_update_resumes_without_half_or_doub
                             capture_output=True,
                             text=True, timeout=300)
     assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
-    assert json.loads((resumed / "backup" / "state.json").read_text())["step"] == every
+    assert newest_step(resumed / "backup") == every
 
     finished = subprocess.run(command, cwd=REPO, env=cli_env(**tf_ops), capture_output=True,
                               text=True, timeout=300)

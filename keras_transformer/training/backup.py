@@ -1,0 +1,238 @@
+"""The resumable state of a run: backup generations, restored from the newest intact one.
+
+A backup is what a killed run resumes from: the weights *and* the optimizer state (its step
+count included) and `state.json` (the step, the stop rules' state, the elapsed time). Each
+is written like an Orbax step: into a hidden temporary folder, every file fsynced, then
+renamed to `backup/step-<step>/` — a generation is whole or absent — and the older
+generations beyond `KEEP` are removed only after the new one is in place::
+
+    backup/step-00000400/model_and_optimizer.weights.h5
+    backup/step-00000400/state.json    step, stop state, and the CRC-32 and size of the
+                                       weights and of every checkpoint file then kept
+    backup/step-00000200/...           the previous generation, for when the newest is damaged
+
+On start, `restore_backup` tries the generations newest first. One whose files are missing,
+truncated, fail their checksum or do not load is reported in one line, set aside as
+`damaged-step-<step>` and the next is tried; the run resumes from the newest intact one and
+says so. If generations existed and none is intact it refuses, naming them. The checkpoints
+are then made to agree with the state resumed from: files written after it are removed
+(training writes them again) and files that fail their recorded checksum are set aside as
+`<name>.damaged` (so averaging never reads them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from keras_transformer import run_directory
+from keras_transformer.errors import UsageError
+from keras_transformer.training.checkpoints import (
+    BEST_FILE,
+    list_checkpoints,
+    save_model_weights,
+)
+from pipelines import storage
+
+KEEP = 2  # generations kept: the newest, and the one before it for when it is damaged
+WEIGHTS_FILE = "model_and_optimizer.weights.h5"  # Keras reads the .weights.h5 format by name
+STATE_FILE = "state.json"
+_PREFIX = "step-"
+_LOG = logging.getLogger("keras_transformer")
+
+
+def generation_dir(backup_dir: str | Path, step: int) -> Path:
+    """The folder of the generation of `step`."""
+    return Path(backup_dir) / f"{_PREFIX}{step:08d}"
+
+
+def list_generations(backup_dir: str | Path) -> list[tuple[int, Path]]:
+    """Finalized generations as (step, folder), newest first."""
+    found = []
+    for folder in Path(backup_dir).glob(f"{_PREFIX}*"):
+        digits = folder.name[len(_PREFIX):]
+        if digits.isdigit() and folder.is_dir():
+            found.append((int(digits), folder))
+    return sorted(found, reverse=True)
+
+
+def newest_step(backup_dir: str | Path) -> int:
+    """The step of the newest generation (not checked), 0 if there is none."""
+    generations = list_generations(backup_dir)
+    return generations[0][0] if generations else 0
+
+
+def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, Any],
+                 checkpoints: dict[str, dict[str, int]]) -> None:
+    """Writes the generation of `state["step"]` and removes those beyond `KEEP`.
+
+    Args:
+        model: the model with its optimizer (weights and optimizer state are saved).
+        backup_dir: the run's `backup/`.
+        state: what a resumed run needs (`RunCheckpointer.state`); must hold "step".
+        checkpoints: the checkpoint files kept now, name -> {"bytes", "crc32"}, recorded so
+            that a restore can tell damaged or later checkpoints apart.
+
+    Raises:
+        StorageError: the disk is full or failing; the earlier generations are untouched.
+    """
+    backup_dir = Path(backup_dir)
+    backup_dir.mkdir(parents=True, exist_ok=True)
+    step = int(state["step"])
+    staging = backup_dir / f".tmp-{os.getpid()}-{_PREFIX}{step:08d}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    final = generation_dir(backup_dir, step)
+    try:
+        weights = save_model_weights(model, staging / WEIGHTS_FILE, include_optimizer=True)
+        storage.write_json(staging / STATE_FILE,
+                           {**state, "weights": weights, "checkpoints": checkpoints})
+        if final.exists():  # the same step again (a resumed run that set a damaged one aside)
+            shutil.rmtree(final)
+        storage.replace_folder(staging, final)
+    except storage.StorageError as error:  # named by the generation, not its staging folder
+        shutil.rmtree(staging, ignore_errors=True)
+        raise storage.StorageError(error.errno, final, error.needed) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for _, older in list_generations(backup_dir)[KEEP:]:
+        shutil.rmtree(older, ignore_errors=True)
+
+
+def restore_backup(model: keras.Model, run: str | Path, repair: bool = True) -> dict[str, Any]:
+    """Loads the newest intact generation of `run`'s backup into `model`; returns its state.
+
+    Args:
+        model: the compiled model with its optimizer built.
+        run: the run directory (its `backup/` and `checkpoints/` are read).
+        repair: set damaged generations and checkpoints aside, remove checkpoints written
+            after the state resumed from and leftover temporary files (the chief does;
+            other workers of a cluster only read).
+
+    Returns:
+        The state (empty for a run with no backup: it starts at step 0, and says so if it
+        had written checkpoints).
+
+    Raises:
+        UsageError: generations exist and none is intact (naming each and what is wrong).
+    """
+    run = Path(run)
+    backup_dir = run / run_directory.BACKUP_DIR
+    checkpoint_dir = run / run_directory.CHECKPOINT_DIR
+    if repair:
+        for folder in (backup_dir, checkpoint_dir):
+            storage.remove_stale_temporaries(folder)
+    problems = []
+    for step, folder in list_generations(backup_dir):
+        problem = _load_generation(model, folder, step)
+        if problem is None:
+            state = run_directory.read_json(folder / STATE_FILE)
+            if problems:
+                _LOG.warning(f"resuming from the intact backup of step {step:,} ({folder}) "
+                             "instead")
+            if repair:
+                _agree_checkpoints(checkpoint_dir, step, state.get("checkpoints"))
+            return state
+        problems.append(f"{folder.name}: {problem}")
+        _LOG.warning(f"backup {folder} is damaged ({problem}); it is set aside")
+        if repair:
+            os.replace(folder, folder.with_name("damaged-" + folder.name))
+    if problems:
+        raise UsageError(
+            f"{backup_dir}: no intact backup to resume from ({'; '.join(problems)}); the "
+            f"run cannot continue: start it again with --overwrite (or another --out); its "
+            f"intact checkpoints in {checkpoint_dir} can still be averaged with "
+            "`python -m keras_transformer.averaging`")
+    found = list_checkpoints(checkpoint_dir)
+    if found:
+        _LOG.warning(f"{backup_dir} holds no backup: training starts at step 0 (the "
+                     f"checkpoints up to step {found[-1][0]:,} are written again)")
+        if repair:
+            _agree_checkpoints(checkpoint_dir, 0, {})
+    return {}
+
+
+def _load_generation(model: keras.Model, folder: Path, step: int) -> str | None:
+    """Loads one generation into `model`; returns what is wrong with it, or None."""
+    try:
+        state = run_directory.read_json(folder / STATE_FILE)
+    except FileNotFoundError:
+        return f"{STATE_FILE} is missing"
+    except UsageError:
+        return f"{STATE_FILE} is not valid JSON"
+    weights = folder / WEIGHTS_FILE
+    recorded = state.get("weights") or {}
+    problem = _file_problem(weights, recorded)
+    if problem is not None:
+        return problem
+    if state.get("step") != step:
+        return f"{STATE_FILE} says step {state.get('step')!r}"
+    try:
+        model.load_weights(weights)
+    except Exception as error:  # noqa: BLE001 (h5py and Keras raise many kinds)
+        return f"{WEIGHTS_FILE} does not load ({type(error).__name__}: {_first_line(error)})"
+    held = int(model.optimizer.iterations.numpy())
+    if held != step:
+        return f"{WEIGHTS_FILE} holds step {held}"
+    return None
+
+
+def _file_problem(path: Path, recorded: dict[str, int]) -> str | None:
+    """What is wrong with `path` against its recorded size and CRC-32, or None."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    if "bytes" in recorded and size != recorded["bytes"]:
+        return f"{path.name} has {size:,} bytes, {recorded['bytes']:,} were written"
+    if "crc32" in recorded and storage.file_checksum(path) != recorded["crc32"]:
+        return f"{path.name} fails its checksum"
+    return None
+
+
+def _agree_checkpoints(checkpoint_dir: Path, step: int,
+                       recorded: dict[str, dict[str, int]] | None) -> None:
+    """Makes `checkpoint_dir` agree with the state of `step` (see the module docstring).
+
+    `recorded` is None for a state written before checkpoints were recorded: the files are
+    then kept as they are.
+    """
+    if recorded is None or not checkpoint_dir.is_dir():
+        return
+    newer = [path for saved, path in list_checkpoints(checkpoint_dir) if saved > step]
+    best = checkpoint_dir / BEST_FILE
+    if best.is_file() and (BEST_FILE not in recorded
+                           or _file_problem(best, recorded[BEST_FILE]) is not None):
+        # Rewritten after the state (or damaged): either way not the best the state knows.
+        newer.append(best)
+    for path in newer:
+        path.unlink(missing_ok=True)
+    if newer:
+        _LOG.info(f"removed {len(newer)} checkpoint file(s) written after step {step:,} "
+                  "(training writes them again)")
+    for name, sizes in recorded.items():
+        if name == BEST_FILE:
+            continue
+        path = checkpoint_dir / name
+        problem = _file_problem(path, sizes) if path.exists() else None
+        if problem is not None:
+            os.replace(path, path.with_name(path.name + ".damaged"))
+            _LOG.warning(f"checkpoint {path} is damaged ({problem}); set aside as "
+                         f"{path.name}.damaged, it is not averaged")
+
+
+def checkpoint_record(checkpoint_dir: Path, state: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """The restored `state`'s record of the checkpoint files (name -> {"bytes", "crc32"})
+    still present in `checkpoint_dir`: what the checkpointer keeps up to date from there."""
+    recorded = dict(state.get("checkpoints") or {})
+    present = {path.name for path in checkpoint_dir.iterdir()} if checkpoint_dir.is_dir() else set()
+    return {name: sizes for name, sizes in recorded.items() if name in present}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:160] if text else ""

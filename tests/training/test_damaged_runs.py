@@ -1,0 +1,281 @@
+"""Damaged files and full disks never end a run with a traceback or a crash (issue 27).
+
+One tiny run on the toy corpus is SIGKILLed after its second backup (steps 10 and 20 of 30);
+each test damages a copy of it as storage misbehaves and runs the same command again: the
+run either finishes every step from the newest intact state (saying from which), or stops
+with one line naming the file. Then a full disk, and a SIGKILL in the middle of writing each
+kind of file the run writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_train import REPO, TINY, cli_env, write_toy_corpus
+from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH
+
+STEPS, EVERY = 30, 10
+
+
+def _command(data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TINY,
+            "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--test-split",
+            "none", "--no-export", "--out", str(out)]
+
+
+def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=cli_env(**env), capture_output=True,
+                          text=True, timeout=300)
+
+
+def _output(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def _assert_one_error_line(result: subprocess.CompletedProcess, status: int,
+                           *names: str) -> str:
+    """The command stopped with `status` and one `error:` line naming each of `names`."""
+    output = _output(result)
+    assert result.returncode == status, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for name in names:
+        assert name in errors[0], errors[0]
+    return errors[0]
+
+
+def _assert_finished(result: subprocess.CompletedProcess, out: Path) -> dict:
+    output = _output(result)
+    assert result.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == STEPS
+    return results
+
+
+def _averaging_candidates(results: dict) -> dict[str, list[int]]:
+    return {candidate["name"]: candidate["steps"]
+            for candidate in results["averaging"]["candidates"]}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> tuple[Path, Path]:
+    """(corpus, run) of a run SIGKILLed after 25 of its 30 steps: backups at 10 and 20."""
+    root = tmp_path_factory.mktemp("interrupted")
+    data = write_toy_corpus(root / "corpus")
+    out = root / "run"
+    command = _command(data, out)
+    victim = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_MICRO_BATCH, *command[3:]],
+                            cwd=REPO, env=cli_env(KILL_AT="25"), capture_output=True,
+                            text=True, timeout=300)
+    assert victim.returncode == -signal.SIGKILL, _output(victim)[-3000:]
+    assert sorted(p.name for p in (out / "backup").iterdir()) == ["step-00000010",
+                                                                  "step-00000020"]
+    return data, out
+
+
+@pytest.fixture
+def damaged_copy(interrupted, tmp_path) -> tuple[Path, Path]:
+    data, out = interrupted
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    return data, copy
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _overwrite(path: Path, offset: int, count: int = 8) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        original = handle.read(count)
+        handle.seek(offset)
+        handle.write(bytes(255 - byte for byte in original))
+
+
+def test_truncated_newest_backup_resumes_from_the_one_before(damaged_copy):
+    data, out = damaged_copy
+    _truncate(out / "backup" / "step-00000020" / "model_and_optimizer.weights.h5")
+    result = _run(_command(data, out))
+    _assert_finished(result, out)
+    output = _output(result)
+    assert "step-00000020 is damaged (model_and_optimizer.weights.h5 has" in output
+    assert "resuming from the intact backup of step 10" in output
+    assert "resuming at step 10, until 30 steps" in output
+    assert (out / "backup" / "damaged-step-00000020").is_dir()
+
+
+def test_truncated_newest_checkpoint_and_backup_resume_from_the_one_before(damaged_copy):
+    data, out = damaged_copy
+    _truncate(out / "backup" / "step-00000020" / "model_and_optimizer.weights.h5")
+    _truncate(out / "checkpoints" / "ckpt-00000020.weights.h5")
+    result = _run(_command(data, out))
+    results = _assert_finished(result, out)
+    assert "resuming at step 10, until 30 steps" in _output(result)
+    # ckpt-20, written after the state resumed from, was removed and written again.
+    assert _averaging_candidates(results)["last"] == [10, 20, 30]
+
+
+def test_unreadable_backup_state_is_named_and_a_damaged_checkpoint_is_not_averaged(
+        damaged_copy):
+    data, out = damaged_copy
+    (out / "backup" / "step-00000020" / "state.json").write_text('{"step": 20,\n"best_')
+    _overwrite(out / "checkpoints" / "ckpt-00000010.weights.h5", 3000)
+    result = _run(_command(data, out))
+    results = _assert_finished(result, out)
+    output = _output(result)
+    assert "step-00000020 is damaged (state.json is not valid JSON)" in output
+    assert "ckpt-00000010.weights.h5 is damaged (ckpt-00000010.weights.h5 fails its checksum)" \
+        in output
+    assert "resuming at step 10, until 30 steps" in output
+    assert _averaging_candidates(results)["last"] == [20, 30]
+    assert (out / "checkpoints" / "ckpt-00000010.weights.h5.damaged").is_file()
+
+
+def test_no_intact_backup_left_refuses_naming_each(damaged_copy):
+    data, out = damaged_copy
+    _truncate(out / "backup" / "step-00000020" / "model_and_optimizer.weights.h5")
+    _overwrite(out / "backup" / "step-00000010" / "model_and_optimizer.weights.h5", 5000)
+    result = _run(_command(data, out))
+    _assert_one_error_line(result, 2, "no intact backup", "step-00000020", "step-00000010",
+                           "--overwrite")
+
+
+def test_truncated_shard_is_named(damaged_copy):
+    data, out = damaged_copy
+    shard = next((out / "prepared").glob("shard-*.ids"))
+    _truncate(shard)
+    _assert_one_error_line(_run(_command(data, out)), 2, str(shard), "prepare it again")
+
+
+def test_overwritten_shard_bytes_are_caught_by_the_checksum(damaged_copy):
+    data, out = damaged_copy
+    shard = next((out / "prepared").glob("shard-*.ids"))
+    size = shard.stat().st_size
+    _overwrite(shard, size // 2)
+    assert shard.stat().st_size == size
+    _assert_one_error_line(_run(_command(data, out)), 2, str(shard), "checksum")
+
+
+def test_unreadable_config_is_named(damaged_copy):
+    data, out = damaged_copy
+    (out / "config.json").write_text("{\n  \"identity\": ")
+    _assert_one_error_line(_run(_command(data, out)), 2, str(out / "config.json"),
+                           "not JSON")
+
+
+@contextlib.contextmanager
+def _small_filesystem(path: Path, size: str):
+    """A tmpfs of `size` at `path` (True), or nothing where mounting is not permitted (False)."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# The train command, with a write of the file whose path contains FAIL_AT failing as on a
+# full disk (its FAIL_NTH time): where no tmpfs can be mounted.
+NO_SPACE_AT_A_WRITE = textwrap.dedent(
+    """
+    import errno, os, sys
+    from pipelines import storage
+    from keras_transformer.train import main
+
+    seen = 0
+    original = storage.sync_file
+
+    def sync_file(path):
+        global seen
+        if os.environ["FAIL_AT"] in str(path):
+            seen += 1
+            if seen == int(os.environ["FAIL_NTH"]):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        original(path)
+
+    storage.sync_file = sync_file
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupted, tmp_path):
+    data, _ = interrupted
+    with _small_filesystem(tmp_path / "disk", "3m") as mounted:
+        out = tmp_path / "disk" / "run"
+        command = _command(data, out)
+        if mounted:
+            full = _run(command)
+        else:  # the backup of step 20 fails as on a full disk
+            full = subprocess.run([sys.executable, "-c", NO_SPACE_AT_A_WRITE, *command[3:]],
+                                  cwd=REPO, capture_output=True, text=True, timeout=300,
+                                  env=cli_env(FAIL_AT="model_and_optimizer", FAIL_NTH="2"))
+        line = _assert_one_error_line(full, 4, str(out), "needed", "free space")
+        assert "no space left" in line
+        assert not list(out.rglob(".tmp-*")), "a temporary file was left behind"
+        if mounted:  # free space
+            subprocess.run(["mount", "-o", "remount,size=64m", str(tmp_path / "disk")],
+                           check=True)
+        finished = _run(command)
+        _assert_finished(finished, out)
+        assert "resuming at step" in _output(finished)
+
+
+# The train command, SIGKILLed in the middle of writing the file whose path contains KILL_AT
+# (its KILL_NTH time): half the file is on disk under its temporary name.
+KILLED_DURING_A_WRITE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pipelines import storage
+    from keras_transformer.train import main
+
+    seen = 0
+    original = storage.sync_file
+
+    def sync_file(path):
+        global seen
+        if os.environ["KILL_AT"] in str(path):
+            seen += 1
+            if seen == int(os.environ["KILL_NTH"]):
+                os.truncate(path, os.path.getsize(path) // 2)
+                os.kill(os.getpid(), signal.SIGKILL)
+        original(path)
+
+    storage.sync_file = sync_file
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+# Each kind of file a run writes, in the order a run writes them (the nth write of a
+# pattern where the first would come before anything worth resuming).
+WRITES = [("config.json", 1), ("shard-", 1), ("manifest.json", 1), ("spm.model", 1),
+          ("ckpt-", 1), ("best.weights.h5", 2), ("model_and_optimizer", 2), ("state.json", 2),
+          ("model.keras", 1), ("results.json", 1)]
+
+
+def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_path):
+    data = write_toy_corpus(tmp_path / "corpus")
+    out = tmp_path / "run"
+    command = _command(data, out)
+    for pattern, nth in WRITES:
+        killed = subprocess.run([sys.executable, "-c", KILLED_DURING_A_WRITE, *command[3:]],
+                                cwd=REPO, capture_output=True, text=True, timeout=300,
+                                env=cli_env(KILL_AT=pattern, KILL_NTH=str(nth)))
+        assert killed.returncode == -signal.SIGKILL, (pattern, _output(killed)[-3000:])
+        assert "Traceback" not in _output(killed)
+    _assert_finished(_run(command), out)
