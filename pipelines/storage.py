@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import shutil
+import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,9 @@ def replacing(path: str | os.PathLike, needed: int | None = None) -> Iterator[Pa
     """Yields a temporary path to write `path`'s new content to; on leaving, the content
     is fsynced and renamed over `path` (and the folder fsynced).
 
+    A symbolic link is followed (the file it points to is replaced); a device or a pipe
+    (`/dev/stdout`) is written in place.
+
     Args:
         path: the destination file; its folder must exist.
         needed: the bytes the write needs, for the message of a full disk.
@@ -97,10 +101,23 @@ def replacing(path: str | os.PathLike, needed: int | None = None) -> Iterator[Pa
         StorageError: the storage failed (the temporary file is removed, `path` untouched).
     """
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()  # replace the file it points to, not the link
+    if path.exists() and not path.is_file():  # /dev/stdout, a pipe: written in place
+        try:
+            yield path
+        except Exception as error:
+            failure = storage_error(error, path, needed)
+            if failure is not None:
+                raise failure from None
+            raise
+        return
     temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
         yield temporary
         sync_file(temporary)
+        if path.exists():  # keep the permissions of the file it replaces
+            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
         os.replace(temporary, path)
         _sync_folder(path.parent)
     except BaseException as error:
@@ -161,12 +178,17 @@ def sync_tree(folder: str | os.PathLike) -> None:
         _sync_folder(Path(root))
 
 
-def replace_folder(staging: str | os.PathLike, folder: str | os.PathLike) -> None:
+def replace_folder(staging: str | os.PathLike, folder: str | os.PathLike,
+                   synced: bool = False) -> None:
     """Moves a complete staging folder to `folder` (which must not exist, or be empty),
-    after fsyncing its content, then fsyncs the parent: readers see all of it or nothing."""
+    after fsyncing its content (unless `synced`: its files were written with `replacing`),
+    then fsyncs the parent: readers see all of it or nothing."""
     staging, folder = Path(staging), Path(folder)
     try:
-        sync_tree(staging)
+        if synced:
+            _sync_folder(staging)
+        else:
+            sync_tree(staging)
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
         os.replace(staging, folder)

@@ -311,13 +311,17 @@ def report_refusal(message: str, cluster: Cluster | None) -> None:
         pass  # not started (the error came first), or already failed: nobody waits for us
 
 
-def check_same_settings(settings: dict, cluster: Cluster, timeout_seconds: float) -> None:
+def check_same_settings(settings: dict, cluster: Cluster, timeout_seconds: float,
+                        key: str = "keras_transformer/settings",
+                        advice: str = "Run the same command, with the same --precision and "
+                                      "--jit-compile, on every worker") -> None:
     """Refuses to train on settings other than the chief's.
 
     Workers that disagree (another command, or "auto" precision or XLA resolved otherwise on
     another machine) would build other variables or batches and wait for each other in
     different collectives forever. The chief publishes its settings (JSON-able) through the
-    coordination service; the others compare.
+    coordination service under `key` (one key per check); the others compare, and refuse
+    with `advice` if they differ.
 
     Raises:
         ClusterConfigError: the settings differ (naming the first differences).
@@ -328,7 +332,7 @@ def check_same_settings(settings: dict, cluster: Cluster, timeout_seconds: float
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-    key, mine = "keras_transformer/settings", _flatten(json.loads(json.dumps(settings)))
+    mine = _flatten(json.loads(json.dumps(settings)))
     if cluster.is_chief:
         context.context().set_config_key_value(key, json.dumps(mine))
         return
@@ -344,9 +348,8 @@ def check_same_settings(settings: dict, cluster: Cluster, timeout_seconds: float
         shown = "; ".join(f"{name} {mine.get(name)!r} on {cluster.describe()}, "
                           f"{chief.get(name)!r} on the chief" for name in differences[:4])
         raise ClusterConfigError(f"settings differ from the chief's "
-                                 f"({cluster.describe(*cluster.chief_task())}): {shown}. Run "
-                                 "the same command, with the same --precision and "
-                                 "--jit-compile, on every worker")
+                                 f"({cluster.describe(*cluster.chief_task())}): {shown}. "
+                                 f"{advice}")
 
 
 def _flatten(settings: dict, prefix: str = "") -> dict:

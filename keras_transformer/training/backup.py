@@ -42,6 +42,8 @@ from pipelines import storage
 KEEP = 2  # generations kept: the newest, and the one before it for when it is damaged
 WEIGHTS_FILE = "model_and_optimizer.weights.h5"  # Keras reads the .weights.h5 format by name
 STATE_FILE = "state.json"
+# The one backup of runs started before generations (state.next.json: written first).
+LEGACY_WEIGHTS_FILE, LEGACY_NEXT_STATE_FILE = "latest.weights.h5", "state.next.json"
 _PREFIX = "step-"
 _LOG = logging.getLogger("keras_transformer")
 
@@ -59,12 +61,6 @@ def list_generations(backup_dir: str | Path) -> list[tuple[int, Path]]:
         if digits.isdigit() and folder.is_dir():
             found.append((int(digits), folder))
     return sorted(found, reverse=True)
-
-
-def newest_step(backup_dir: str | Path) -> int:
-    """The step of the newest generation (not checked), 0 if there is none."""
-    generations = list_generations(backup_dir)
-    return generations[0][0] if generations else 0
 
 
 def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, Any],
@@ -94,7 +90,7 @@ def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, An
                            {**state, "weights": weights, "checkpoints": checkpoints})
         if final.exists():  # the same step again (a resumed run that set a damaged one aside)
             shutil.rmtree(final)
-        storage.replace_folder(staging, final)
+        storage.replace_folder(staging, final, synced=True)
     except storage.StorageError as error:  # named by the generation, not its staging folder
         shutil.rmtree(staging, ignore_errors=True)
         raise storage.StorageError(error.errno, final, error.needed) from None
@@ -102,95 +98,157 @@ def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, An
         shutil.rmtree(staging, ignore_errors=True)
     for _, older in list_generations(backup_dir)[KEEP:]:
         shutil.rmtree(older, ignore_errors=True)
+    for name in (LEGACY_WEIGHTS_FILE, LEGACY_NEXT_STATE_FILE, STATE_FILE):
+        (backup_dir / name).unlink(missing_ok=True)  # an earlier version's, now superseded
 
 
 def restore_backup(model: keras.Model, run: str | Path, repair: bool = True) -> dict[str, Any]:
     """Loads the newest intact generation of `run`'s backup into `model`; returns its state.
 
+    A run started by an earlier version, with one backup (`latest.weights.h5` with
+    `state.json`, or `state.next.json` when it was killed between the two), resumes from it.
+
     Args:
         model: the compiled model with its optimizer built.
         run: the run directory (its `backup/` and `checkpoints/` are read).
-        repair: set damaged generations and checkpoints aside, remove checkpoints written
-            after the state resumed from and leftover temporary files (the chief does;
-            other workers of a cluster only read).
+        repair: once an intact generation is found, set the damaged newer ones aside,
+            make the checkpoints agree with it, and remove leftover temporary files (the
+            chief does; other workers of a cluster only read).
 
     Returns:
-        The state (empty for a run with no backup: it starts at step 0, and says so if it
-        had written checkpoints).
+        The state (empty for a run with no backup at all: it starts at step 0, and says so
+        if it had written checkpoints, which it then writes again).
 
     Raises:
-        UsageError: generations exist and none is intact (naming each and what is wrong).
+        UsageError: backups exist (or were set aside before) and none is intact, naming
+            each and what is wrong; or an intact backup that does not fit this run's
+            settings (its checksum holds but it does not load). Nothing is moved.
     """
     run = Path(run)
     backup_dir = run / run_directory.BACKUP_DIR
     checkpoint_dir = run / run_directory.CHECKPOINT_DIR
-    if repair:
-        for folder in (backup_dir, checkpoint_dir):
-            storage.remove_stale_temporaries(folder)
-    problems = []
-    for step, folder in list_generations(backup_dir):
-        problem = _load_generation(model, folder, step)
+    problems: list[tuple[Path, str]] = []
+    for step, weights, state_file in _candidates(backup_dir):
+        problem = _load_generation(model, weights, state_file, step)
         if problem is None:
-            state = run_directory.read_json(folder / STATE_FILE)
+            state = run_directory.read_json(state_file)
+            for folder, reason in problems:
+                _LOG.warning(f"backup {folder} is damaged ({reason})"
+                             + ("; it is set aside" if repair else ""))
             if problems:
-                _LOG.warning(f"resuming from the intact backup of step {step:,} ({folder}) "
-                             "instead")
+                _LOG.warning(f"resuming from the intact backup of step {step:,} "
+                             f"({_owner(weights, backup_dir)}) instead")
             if repair:
+                _set_aside([folder for folder, _ in problems if folder.parent == backup_dir
+                            and folder.name.startswith(_PREFIX)])
+                for folder in (backup_dir, checkpoint_dir):
+                    storage.remove_stale_temporaries(folder)
                 _agree_checkpoints(checkpoint_dir, step, state.get("checkpoints"))
             return state
-        problems.append(f"{folder.name}: {problem}")
-        _LOG.warning(f"backup {folder} is damaged ({problem}); it is set aside")
-        if repair:
-            os.replace(folder, folder.with_name("damaged-" + folder.name))
-    if problems:
+        problems.append((_owner(weights, backup_dir), problem))
+    set_aside = sorted(backup_dir.glob("damaged-*")) if backup_dir.is_dir() else []
+    if problems or set_aside:
+        named = [f"{folder.name}: {reason}" for folder, reason in problems]
+        named += [f"{folder.name} (set aside before)" for folder in set_aside]
         raise UsageError(
-            f"{backup_dir}: no intact backup to resume from ({'; '.join(problems)}); the "
-            f"run cannot continue: start it again with --overwrite (or another --out); its "
+            f"{backup_dir}: no intact backup to resume from ({'; '.join(named)}); the run "
+            "cannot continue: start it again with --overwrite (or another --out); its "
             f"intact checkpoints in {checkpoint_dir} can still be averaged with "
             "`python -m keras_transformer.averaging`")
     found = list_checkpoints(checkpoint_dir)
-    if found:
+    if found:  # killed after its first checkpoint, before its first backup
         _LOG.warning(f"{backup_dir} holds no backup: training starts at step 0 (the "
                      f"checkpoints up to step {found[-1][0]:,} are written again)")
-        if repair:
-            _agree_checkpoints(checkpoint_dir, 0, {})
     return {}
 
 
-def _load_generation(model: keras.Model, folder: Path, step: int) -> str | None:
-    """Loads one generation into `model`; returns what is wrong with it, or None."""
+def _owner(weights: Path, backup_dir: Path) -> Path:
+    """What a backup is named by: its generation folder, or an earlier version's file."""
+    return weights.parent if weights.parent != backup_dir else weights
+
+
+def _set_aside(paths: list[Path]) -> None:
+    """Renames damaged generations `damaged-<name>` (`-2`, `-3`... if taken)."""
+    for path in paths:
+        target, number = path.with_name("damaged-" + path.name), 1
+        while target.exists():
+            number += 1
+            target = path.with_name(f"damaged-{path.name}-{number}")
+        os.replace(path, target)
+
+
+def newest_step(backup_dir: str | Path) -> int:
+    """The step of the newest backup (not checked), 0 if there is none."""
+    candidates = _candidates(Path(backup_dir))
+    return max(candidates[0][0], 0) if candidates else 0
+
+
+def _candidates(backup_dir: Path) -> list[tuple[int, Path, Path]]:
+    """(step, weights file, state file) of every backup to try, newest first: the
+    generations, and the single backup of a run started by an earlier version
+    (`latest.weights.h5` with `state.next.json` or `state.json`, whichever is its step)."""
+    found = [(step, folder / WEIGHTS_FILE, folder / STATE_FILE)
+             for step, folder in list_generations(backup_dir)]
+    weights = backup_dir / LEGACY_WEIGHTS_FILE
+    if weights.is_file():
+        for name in (LEGACY_NEXT_STATE_FILE, STATE_FILE):
+            try:
+                step = int(run_directory.read_json(backup_dir / name)["step"])
+            except (OSError, UsageError, KeyError, TypeError, ValueError):
+                step = -1  # reported by `_load_generation`
+            if name == STATE_FILE or step >= 0:
+                found.append((step, weights, backup_dir / name))
+    return sorted(found, key=lambda candidate: candidate[0], reverse=True)
+
+
+def _load_generation(model: keras.Model, weights: Path, state_file: Path,
+                     step: int) -> str | None:
+    """Loads one backup into `model`; returns what is wrong with it, or None.
+
+    Raises:
+        UsageError: the weights pass their recorded checksum but do not load or hold
+            another step: they are intact, made with other settings than this run's.
+    """
     try:
-        state = run_directory.read_json(folder / STATE_FILE)
+        state = run_directory.read_json(state_file)
     except FileNotFoundError:
-        return f"{STATE_FILE} is missing"
+        return f"{state_file.name} is missing"
     except UsageError:
-        return f"{STATE_FILE} is not valid JSON"
-    weights = folder / WEIGHTS_FILE
-    recorded = state.get("weights") or {}
+        return f"{state_file.name} is not valid JSON"
+    except OSError as error:
+        return f"{state_file.name} is unreadable ({error.strerror})"
+    recorded = state.get("weights") or {}  # (an earlier version's backup records none)
     problem = _file_problem(weights, recorded)
     if problem is not None:
         return problem
     if state.get("step") != step:
-        return f"{STATE_FILE} says step {state.get('step')!r}"
+        return f"{state_file.name} says step {state.get('step')!r}"
     try:
         model.load_weights(weights)
+        held = int(model.optimizer.iterations.numpy())
     except Exception as error:  # noqa: BLE001 (h5py and Keras raise many kinds)
-        return f"{WEIGHTS_FILE} does not load ({type(error).__name__}: {_first_line(error)})"
-    held = int(model.optimizer.iterations.numpy())
-    if held != step:
-        return f"{WEIGHTS_FILE} holds step {held}"
-    return None
+        problem = f"{weights.name} does not load ({type(error).__name__}: {_first_line(error)})"
+    else:
+        problem = None if held == step else f"{weights.name} holds step {held}"
+    if problem is not None and "crc32" in recorded:
+        # Intact, as written: another model or optimizer (e.g. another --precision).
+        raise UsageError(f"{_owner(weights, state_file.parent)} does not match this run's "
+                         f"settings ({problem}): resume with the flags it was trained with")
+    return problem
 
 
 def _file_problem(path: Path, recorded: dict[str, int]) -> str | None:
     """What is wrong with `path` against its recorded size and CRC-32, or None."""
-    if not path.is_file():
+    try:
+        size = path.stat().st_size
+        if "bytes" in recorded and size != recorded["bytes"]:
+            return f"{path.name} has {size:,} bytes, {recorded['bytes']:,} were written"
+        if "crc32" in recorded and storage.file_checksum(path) != recorded["crc32"]:
+            return f"{path.name} fails its checksum"
+    except FileNotFoundError:
         return f"{path.name} is missing"
-    size = path.stat().st_size
-    if "bytes" in recorded and size != recorded["bytes"]:
-        return f"{path.name} has {size:,} bytes, {recorded['bytes']:,} were written"
-    if "crc32" in recorded and storage.file_checksum(path) != recorded["crc32"]:
-        return f"{path.name} fails its checksum"
+    except OSError as error:  # a failing disk: try the older generation
+        return f"{path.name} is unreadable ({error.strerror})"
     return None
 
 
@@ -198,15 +256,15 @@ def _agree_checkpoints(checkpoint_dir: Path, step: int,
                        recorded: dict[str, dict[str, int]] | None) -> None:
     """Makes `checkpoint_dir` agree with the state of `step` (see the module docstring).
 
-    `recorded` is None for a state written before checkpoints were recorded: the files are
-    then kept as they are.
+    `recorded` is None for an earlier version's state, which recorded no checkpoints: only
+    those of later steps are removed then.
     """
-    if recorded is None or not checkpoint_dir.is_dir():
+    if not checkpoint_dir.is_dir():
         return
     newer = [path for saved, path in list_checkpoints(checkpoint_dir) if saved > step]
     best = checkpoint_dir / BEST_FILE
-    if best.is_file() and (BEST_FILE not in recorded
-                           or _file_problem(best, recorded[BEST_FILE]) is not None):
+    if recorded is not None and best.is_file() and (
+            BEST_FILE not in recorded or _file_problem(best, recorded[BEST_FILE]) is not None):
         # Rewritten after the state (or damaged): either way not the best the state knows.
         newer.append(best)
     for path in newer:
@@ -214,7 +272,7 @@ def _agree_checkpoints(checkpoint_dir: Path, step: int,
     if newer:
         _LOG.info(f"removed {len(newer)} checkpoint file(s) written after step {step:,} "
                   "(training writes them again)")
-    for name, sizes in recorded.items():
+    for name, sizes in (recorded or {}).items():
         if name == BEST_FILE:
             continue
         path = checkpoint_dir / name
@@ -227,10 +285,15 @@ def _agree_checkpoints(checkpoint_dir: Path, step: int,
 
 def checkpoint_record(checkpoint_dir: Path, state: dict[str, Any]) -> dict[str, dict[str, int]]:
     """The restored `state`'s record of the checkpoint files (name -> {"bytes", "crc32"})
-    still present in `checkpoint_dir`: what the checkpointer keeps up to date from there."""
-    recorded = dict(state.get("checkpoints") or {})
-    present = {path.name for path in checkpoint_dir.iterdir()} if checkpoint_dir.is_dir() else set()
-    return {name: sizes for name, sizes in recorded.items() if name in present}
+    still present in `checkpoint_dir`: what the checkpointer keeps up to date from there.
+    A state that records none (an earlier version's) takes the files present as they are."""
+    present = ({path.name: path for path in checkpoint_dir.iterdir()}
+               if checkpoint_dir.is_dir() else {})
+    if "checkpoints" not in state:
+        return {name: {"bytes": path.stat().st_size, "crc32": storage.file_checksum(path)}
+                for name, path in present.items()
+                if name == BEST_FILE or (name.startswith("ckpt-") and name.endswith(".h5"))}
+    return {name: sizes for name, sizes in state["checkpoints"].items() if name in present}
 
 
 def _first_line(error: BaseException) -> str:

@@ -254,8 +254,9 @@ class MetricsLog(keras.callbacks.CSVLogger):
             failure = storage.storage_error(error, self.filename)
             if failure is None:
                 raise
+            with contextlib.suppress(OSError):
+                self.csv_file.close()  # (flushes again, and fails again)
             with contextlib.suppress(OSError):  # no half row for the resumed run to append to
-                self.csv_file.close()
                 os.truncate(self.filename, before)
             raise failure from None
 

@@ -119,15 +119,23 @@ def average_weight_files(paths: Sequence[str | Path], output: str | Path) -> Pat
         output: the averaged file, also a Keras `.weights.h5` (`model.load_weights` reads it).
 
     Raises:
-        ValueError: no paths, or files whose arrays differ in names or shapes.
+        ValueError: no paths, a damaged file (named), or files whose arrays differ in names
+            or shapes.
     """
     if not paths:
         raise ValueError("No checkpoints to average.")
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    sources = [h5py.File(path, "r") for path in paths]
+    sources = []
     try:
+        for path in paths:
+            try:
+                sources.append(h5py.File(path, "r"))
+            except OSError as error:  # truncated or overwritten: one line, not h5py's trace
+                raise ValueError(
+                    f"{path} is damaged, not a readable weights file ({str(error)[:120]}); "
+                    "rename it to *.damaged (it is then left out) and average again") from None
         with h5py.File(buffer, "w") as target:
             _average_group(sources, target, [str(p) for p in paths])
     finally:

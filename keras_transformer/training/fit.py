@@ -106,6 +106,12 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     # Resume: every worker restores the chief's backup (a shared filesystem is assumed) from
     # its newest intact generation; only the chief sets damaged files aside.
     state = backup.restore_backup(model, out, repair=cluster.is_chief)
+    # A worker that read another generation (a read error the chief did not have) would
+    # train other weights from another data position, silently.
+    check_same_settings({"restored backup step": cb.global_step(model)}, cluster,
+                        config.cluster.join_timeout, key="keras_transformer/restored_step",
+                        advice="Every worker must resume from the chief's backup: is the run "
+                               "directory the same shared path on every machine?")
     step = cb.global_step(model)
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,

@@ -13,7 +13,7 @@ from keras_transformer.averaging import main as averaging_main
 from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.training.checkpoints import checkpoint_path, save_model_weights
 from pipelines import storage
-from tests.serving.test_saved_model import fill, no_space_at_sync, small_filesystem
+from tests.storage_faults import fill, no_space_at_sync, small_filesystem
 from tests.training.test_checkpoints import _model_with_constant_weights
 
 

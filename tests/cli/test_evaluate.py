@@ -13,12 +13,8 @@ from keras_transformer.decoding.search import beam_search, encode_texts
 from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.evaluate import main
-from tests.serving.test_saved_model import (
-    fill,
-    no_space_at_sync,
-    shared_artifacts,
-    small_filesystem,
-)
+from tests.serving.test_saved_model import shared_artifacts
+from tests.storage_faults import fill, no_space_at_sync, small_filesystem
 
 SOURCES = ["Ein Hund läuft im Park.", "Zwei Kinder spielen.", "Eine Frau.",
            "Ein Mann sitzt auf einem roten Fahrrad.", "Hund."]

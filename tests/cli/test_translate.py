@@ -15,12 +15,8 @@ from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.logs import is_native_log_line
 from keras_transformer.translate import main
 from tests.cli.test_train import cli_env
-from tests.serving.test_saved_model import (
-    fill,
-    no_space_at_sync,
-    shared_artifacts,
-    small_filesystem,
-)
+from tests.serving.test_saved_model import shared_artifacts
+from tests.storage_faults import fill, no_space_at_sync, small_filesystem
 
 LINES = ["Ein Hund läuft im Park.", "", "Zwei Kinder spielen mit einem Ball."]
 

@@ -27,7 +27,7 @@ from pipelines.constants import BOS_ID, EOS_ID
 from pipelines.storage import StorageError
 from pipelines.tokenizer import train_tokenizer
 from tests.cli.test_train import write_toy_corpus
-from tests.serving.test_saved_model import small_filesystem, snapshot
+from tests.storage_faults import small_filesystem, snapshot
 
 
 @pytest.fixture(scope="module")

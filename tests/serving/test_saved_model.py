@@ -6,9 +6,7 @@ plot tests import, and a small file system to fill (`small_filesystem`, `fill`).
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
 import json
 import os
 import random
@@ -34,9 +32,9 @@ from keras_transformer.serving.saved_model import (
     latest_version,
     serving_model,
 )
-from pipelines import storage
 from pipelines.storage import StorageError
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
+from tests.storage_faults import small_filesystem, snapshot
 
 _GERMAN = ("ein eine der die das hund katze mann frau kind spielt läuft auf im park mit einem "
            "ball rot blau grün schnell wasser straße haus sitzt steht springt über zwei drei "
@@ -355,53 +353,6 @@ def test_export_contains_only_standard_ops(exported):
                  for node in function.node_def}
     assert "MatMul" in op_types or "BatchMatMulV2" in op_types
     assert not {op for op in op_types if op.startswith("Kt")}
-
-
-@contextlib.contextmanager
-def small_filesystem(path: Path, size: int):
-    """A tmpfs of `size` bytes mounted at `path` (yields True), or a plain folder where
-    mounting is not permitted (False): the test then makes its write fail as on a full disk.
-    Always unmounted afterwards."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = shutil.which("mount") is not None and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={-(-size // 4096) * 4}k", "tmpfs", str(path)],
-        capture_output=True).returncode == 0
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(folder: Path) -> None:
-    """Writes `folder`/filler until the file system is full (ENOSPC)."""
-    descriptor = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(descriptor, bytes(4096)):
-            pass
-    except OSError as error:
-        assert error.errno == errno.ENOSPC, error
-    finally:
-        os.close(descriptor)
-
-
-def no_space_at_sync(monkeypatch, disk: Path) -> None:
-    """Where no tmpfs can be mounted: every write through `pipelines.storage` into `disk`
-    fails as on a full disk, once its temporary file is written."""
-    original = storage.sync_file
-
-    def sync_file(path):
-        if Path(path).is_relative_to(disk):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        original(path)
-
-    monkeypatch.setattr(storage, "sync_file", sync_file)
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Relative path -> SHA-256 of every file under `folder`."""
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
 def _save_on_a_full_disk(module, directory, signatures=None):

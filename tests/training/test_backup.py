@@ -66,10 +66,28 @@ def test_nothing_intact_refuses_and_no_backup_starts_at_zero(tmp_path):
     model = _compiled_tiny_model()
     assert backup.restore_backup(model, tmp_path) == {}  # a fresh run
     _write(model, tmp_path, 10)
+    (tmp_path / "checkpoints").mkdir()
+    save_model_weights(model, checkpoint_path(tmp_path / "checkpoints", 10))
     os.truncate(tmp_path / "backup" / "step-00000010" / "model_and_optimizer.weights.h5", 100)
-    with pytest.raises(UsageError, match="no intact backup .*step-00000010: "
-                                         "model_and_optimizer.weights.h5 has 100"):
-        backup.restore_backup(_compiled_tiny_model(), tmp_path)
+    for _ in range(2):  # the refusal stands: nothing was moved, nothing removed
+        with pytest.raises(UsageError, match="no intact backup .*step-00000010: "
+                                             "model_and_optimizer.weights.h5 has 100"):
+            backup.restore_backup(_compiled_tiny_model(), tmp_path)
+        assert [p.name for p in (tmp_path / "backup").iterdir()] == ["step-00000010"]
+        assert checkpoint_path(tmp_path / "checkpoints", 10).is_file()
+
+
+def test_an_intact_backup_of_other_settings_is_refused_not_set_aside(tmp_path):
+    from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
+
+    _write(_compiled_tiny_model(), tmp_path, 10)
+    other = build_trainer("tiny", vocab_size=30)  # another vocabulary: other shapes
+    other.compile(paper_adam(32, 10), loss="sparse_categorical_crossentropy")
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(UsageError, match="does not match this run's settings"):
+        backup.restore_backup(other, tmp_path)
+    assert [p.name for p in (tmp_path / "backup").iterdir()] == ["step-00000010"]
 
 
 def test_checkpoints_agree_with_the_restored_state(tmp_path):
@@ -90,3 +108,14 @@ def test_checkpoints_agree_with_the_restored_state(tmp_path):
     backup.restore_backup(_compiled_tiny_model(), tmp_path)
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         "best.weights.h5", "ckpt-00000010.weights.h5.damaged", "ckpt-00000020.weights.h5"]
+
+
+def test_the_single_backup_of_an_earlier_version_still_resumes(tmp_path):
+    model = _compiled_tiny_model()
+    model.optimizer.iterations.assign(10)
+    (tmp_path / "backup").mkdir()
+    model.save_weights(tmp_path / "backup" / "latest.weights.h5")
+    storage.write_json(tmp_path / "backup" / "state.json", {"step": 10, "best_step": 10})
+    restored = _compiled_tiny_model()
+    assert backup.restore_backup(restored, tmp_path)["step"] == 10
+    assert int(restored.optimizer.iterations.numpy()) == 10

@@ -9,7 +9,6 @@ kind of file the run writes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -21,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from keras_transformer.train import main
 from tests.cli.test_train import REPO, TINY, cli_env, write_toy_corpus
+from tests.storage_faults import small_filesystem
 from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH
 
 STEPS, EVERY = 30, 10
@@ -36,6 +37,21 @@ def _command(data: Path, out: Path) -> list[str]:
 def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, env=cli_env(**env), capture_output=True,
                           text=True, timeout=300)
+
+
+@pytest.fixture
+def same_command(capsys):
+    """Runs a train command's `main` in this process (what `python -m` runs, without
+    starting TensorFlow again: the tests share one process); returns it as a finished
+    process, its stdout and stderr captured."""
+
+    def run(command: list[str]) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        status = main(command[3:])
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(command, status, captured.out, captured.err)
+
+    return run
 
 
 def _output(result: subprocess.CompletedProcess) -> str:
@@ -105,10 +121,10 @@ def _overwrite(path: Path, offset: int, count: int = 8) -> None:
         handle.write(bytes(255 - byte for byte in original))
 
 
-def test_truncated_newest_backup_resumes_from_the_one_before(damaged_copy):
+def test_truncated_newest_backup_resumes_from_the_one_before(damaged_copy, same_command):
     data, out = damaged_copy
     _truncate(out / "backup" / "step-00000020" / "model_and_optimizer.weights.h5")
-    result = _run(_command(data, out))
+    result = same_command(_command(data, out))
     _assert_finished(result, out)
     output = _output(result)
     assert "step-00000020 is damaged (model_and_optimizer.weights.h5 has" in output
@@ -117,11 +133,12 @@ def test_truncated_newest_backup_resumes_from_the_one_before(damaged_copy):
     assert (out / "backup" / "damaged-step-00000020").is_dir()
 
 
-def test_truncated_newest_checkpoint_and_backup_resume_from_the_one_before(damaged_copy):
+def test_truncated_newest_checkpoint_and_backup_resume_from_the_one_before(damaged_copy,
+                                                                            same_command):
     data, out = damaged_copy
     _truncate(out / "backup" / "step-00000020" / "model_and_optimizer.weights.h5")
     _truncate(out / "checkpoints" / "ckpt-00000020.weights.h5")
-    result = _run(_command(data, out))
+    result = same_command(_command(data, out))
     results = _assert_finished(result, out)
     assert "resuming at step 10, until 30 steps" in _output(result)
     # ckpt-20, written after the state resumed from, was removed and written again.
@@ -129,11 +146,11 @@ def test_truncated_newest_checkpoint_and_backup_resume_from_the_one_before(damag
 
 
 def test_unreadable_backup_state_is_named_and_a_damaged_checkpoint_is_not_averaged(
-        damaged_copy):
+        damaged_copy, same_command):
     data, out = damaged_copy
     (out / "backup" / "step-00000020" / "state.json").write_text('{"step": 20,\n"best_')
     _overwrite(out / "checkpoints" / "ckpt-00000010.weights.h5", 3000)
-    result = _run(_command(data, out))
+    result = same_command(_command(data, out))
     results = _assert_finished(result, out)
     output = _output(result)
     assert "step-00000020 is damaged (state.json is not valid JSON)" in output
@@ -144,49 +161,36 @@ def test_unreadable_backup_state_is_named_and_a_damaged_checkpoint_is_not_averag
     assert (out / "checkpoints" / "ckpt-00000010.weights.h5.damaged").is_file()
 
 
-def test_no_intact_backup_left_refuses_naming_each(damaged_copy):
+def test_no_intact_backup_left_refuses_naming_each(damaged_copy, same_command):
     data, out = damaged_copy
     _truncate(out / "backup" / "step-00000020" / "model_and_optimizer.weights.h5")
     _overwrite(out / "backup" / "step-00000010" / "model_and_optimizer.weights.h5", 5000)
-    result = _run(_command(data, out))
+    result = same_command(_command(data, out))
     _assert_one_error_line(result, 2, "no intact backup", "step-00000020", "step-00000010",
                            "--overwrite")
 
 
-def test_truncated_shard_is_named(damaged_copy):
+def test_truncated_shard_is_named(damaged_copy, same_command):
     data, out = damaged_copy
     shard = next((out / "prepared").glob("shard-*.ids"))
     _truncate(shard)
-    _assert_one_error_line(_run(_command(data, out)), 2, str(shard), "prepare it again")
+    _assert_one_error_line(same_command(_command(data, out)), 2, str(shard), "prepare it again")
 
 
-def test_overwritten_shard_bytes_are_caught_by_the_checksum(damaged_copy):
+def test_overwritten_shard_bytes_are_caught_by_the_checksum(damaged_copy, same_command):
     data, out = damaged_copy
     shard = next((out / "prepared").glob("shard-*.ids"))
     size = shard.stat().st_size
     _overwrite(shard, size // 2)
     assert shard.stat().st_size == size
-    _assert_one_error_line(_run(_command(data, out)), 2, str(shard), "checksum")
+    _assert_one_error_line(same_command(_command(data, out)), 2, str(shard), "checksum")
 
 
-def test_unreadable_config_is_named(damaged_copy):
+def test_unreadable_config_is_named(damaged_copy, same_command):
     data, out = damaged_copy
     (out / "config.json").write_text("{\n  \"identity\": ")
-    _assert_one_error_line(_run(_command(data, out)), 2, str(out / "config.json"),
+    _assert_one_error_line(same_command(_command(data, out)), 2, str(out / "config.json"),
                            "not JSON")
-
-
-@contextlib.contextmanager
-def _small_filesystem(path: Path, size: str):
-    """A tmpfs of `size` at `path` (True), or nothing where mounting is not permitted (False)."""
-    path.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 # The train command, with a write of the file whose path contains FAIL_AT failing as on a
@@ -214,13 +218,14 @@ NO_SPACE_AT_A_WRITE = textwrap.dedent(
 )
 
 
-def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupted, tmp_path):
+def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupted, tmp_path,
+                                                                      same_command):
     data, _ = interrupted
-    with _small_filesystem(tmp_path / "disk", "3m") as mounted:
+    with small_filesystem(tmp_path / "disk", 3 << 20) as mounted:
         out = tmp_path / "disk" / "run"
         command = _command(data, out)
         if mounted:
-            full = _run(command)
+            full = same_command(command)
         else:  # the backup of step 20 fails as on a full disk
             full = subprocess.run([sys.executable, "-c", NO_SPACE_AT_A_WRITE, *command[3:]],
                                   cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -231,51 +236,6 @@ def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupte
         if mounted:  # free space
             subprocess.run(["mount", "-o", "remount,size=64m", str(tmp_path / "disk")],
                            check=True)
-        finished = _run(command)
+        finished = same_command(command)
         _assert_finished(finished, out)
         assert "resuming at step" in _output(finished)
-
-
-# The train command, SIGKILLed in the middle of writing the file whose path contains KILL_AT
-# (its KILL_NTH time): half the file is on disk under its temporary name.
-KILLED_DURING_A_WRITE = textwrap.dedent(
-    """
-    import os, signal, sys
-    from pipelines import storage
-    from keras_transformer.train import main
-
-    seen = 0
-    original = storage.sync_file
-
-    def sync_file(path):
-        global seen
-        if os.environ["KILL_AT"] in str(path):
-            seen += 1
-            if seen == int(os.environ["KILL_NTH"]):
-                os.truncate(path, os.path.getsize(path) // 2)
-                os.kill(os.getpid(), signal.SIGKILL)
-        original(path)
-
-    storage.sync_file = sync_file
-    sys.exit(main(sys.argv[1:]))
-    """
-)
-
-# Each kind of file a run writes, in the order a run writes them (the nth write of a
-# pattern where the first would come before anything worth resuming).
-WRITES = [("config.json", 1), ("shard-", 1), ("manifest.json", 1), ("spm.model", 1),
-          ("ckpt-", 1), ("best.weights.h5", 2), ("model_and_optimizer", 2), ("state.json", 2),
-          ("model.keras", 1), ("results.json", 1)]
-
-
-def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_path):
-    data = write_toy_corpus(tmp_path / "corpus")
-    out = tmp_path / "run"
-    command = _command(data, out)
-    for pattern, nth in WRITES:
-        killed = subprocess.run([sys.executable, "-c", KILLED_DURING_A_WRITE, *command[3:]],
-                                cwd=REPO, capture_output=True, text=True, timeout=300,
-                                env=cli_env(KILL_AT=pattern, KILL_NTH=str(nth)))
-        assert killed.returncode == -signal.SIGKILL, (pattern, _output(killed)[-3000:])
-        assert "Traceback" not in _output(killed)
-    _assert_finished(_run(command), out)
