@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keras_transformer import run_directory
-from keras_transformer.errors import EXIT_STORAGE, StorageError
-from keras_transformer.flags import add_verbose_flag
+from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training.checkpoints import average_last_checkpoints
 from pipelines import storage
@@ -29,11 +28,7 @@ from pipelines import storage
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The averaging command; returns the exit status."""
-    try:
-        return _average(argv)
-    except StorageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_STORAGE
+    return storage_errors_as_status(_average, argv)
 
 
 def _average(argv: Sequence[str] | None) -> int:

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
-from keras_transformer.errors import EXIT_STORAGE, StorageError, UsageError
-from keras_transformer.flags import add_verbose_flag
+from keras_transformer.errors import UsageError
+from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.progress import ProgressBar
 from pipelines import storage
 from pipelines.corpora import load_corpus
@@ -69,11 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The evaluate command; returns the exit status."""
-    try:
-        return _evaluate(argv)
-    except StorageError as error:
-        print(f"evaluate: error: {error}", file=sys.stderr)
-        return EXIT_STORAGE
+    return storage_errors_as_status(_evaluate, argv, "evaluate: error")
 
 
 def _evaluate(argv: Sequence[str] | None) -> int:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from keras_transformer.cluster.workers import LOST_WORKER_SECONDS
-from keras_transformer.errors import UsageError
+from keras_transformer.errors import EXIT_STORAGE, StorageError, UsageError
 from keras_transformer.training.config import (
     TrainConfig,
     field_type,
@@ -152,3 +153,15 @@ def parse_train_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, bo
     except UsageError as error:  # e.g. a recipe value its flag would refuse
         parser.error(str(error))
     return config, namespace.dry_run
+
+
+def storage_errors_as_status(command: Callable[[Sequence[str] | None], int],
+                             argv: Sequence[str] | None, prefix: str = "error") -> int:
+    """Runs a command line's body `command(argv)`; a full or failing disk (`StorageError`:
+    nothing was half-written) becomes one `<prefix>: ...` line on stderr and the status
+    `EXIT_STORAGE` (4), never a traceback."""
+    try:
+        return command(argv)
+    except StorageError as error:
+        print(f"{prefix}: {error}", file=sys.stderr)
+        return EXIT_STORAGE

@@ -24,8 +24,7 @@ from pathlib import Path
 
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
-from keras_transformer.errors import EXIT_STORAGE, StorageError
-from keras_transformer.flags import add_verbose_flag
+from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.progress import ProgressBar
 from pipelines import storage
 
@@ -63,11 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The translate command; returns the exit status."""
-    try:
-        return _translate(argv)
-    except StorageError as error:
-        print(f"translate: error: {error}", file=sys.stderr)
-        return EXIT_STORAGE
+    return storage_errors_as_status(_translate, argv, "translate: error")
 
 
 def _translate(argv: Sequence[str] | None) -> int:

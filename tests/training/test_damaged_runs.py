@@ -193,11 +193,13 @@ def test_unreadable_config_is_named(damaged_copy, same_command):
                            "not JSON")
 
 
-# The train command, with a write of the file whose path contains FAIL_AT failing as on a
-# full disk (its FAIL_NTH time): where no tmpfs can be mounted.
-NO_SPACE_AT_A_WRITE = textwrap.dedent(
+# The train command with a fault at the write of the file whose path contains FAULT_AT (its
+# FAULT_NTH write): FAULT=nospace fails it as a full disk does (where no tmpfs can be
+# mounted), FAULT=kill SIGKILLs the process in the middle of it (half the file on disk
+# under its temporary name).
+FAULT_AT_A_WRITE = textwrap.dedent(
     """
-    import errno, os, sys
+    import errno, os, signal, sys
     from pipelines import storage
     from keras_transformer.train import main
 
@@ -206,9 +208,12 @@ NO_SPACE_AT_A_WRITE = textwrap.dedent(
 
     def sync_file(path):
         global seen
-        if os.environ["FAIL_AT"] in str(path):
+        if os.environ["FAULT_AT"] in str(path):
             seen += 1
-            if seen == int(os.environ["FAIL_NTH"]):
+            if seen == int(os.environ["FAULT_NTH"]):
+                if os.environ["FAULT"] == "kill":
+                    os.truncate(path, os.path.getsize(path) // 2)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
         original(path)
 
@@ -216,6 +221,15 @@ NO_SPACE_AT_A_WRITE = textwrap.dedent(
     sys.exit(main(sys.argv[1:]))
     """
 )
+
+
+def fault_at_a_write(command: list[str], fault: str, pattern: str,
+                     nth: int) -> subprocess.CompletedProcess:
+    """Runs a train `command` with `fault` ("kill" or "nospace") at the `nth` write of a file
+    whose path contains `pattern`."""
+    return subprocess.run([sys.executable, "-c", FAULT_AT_A_WRITE, *command[3:]], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=cli_env(FAULT=fault, FAULT_AT=pattern, FAULT_NTH=str(nth)))
 
 
 def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupted, tmp_path,
@@ -227,9 +241,7 @@ def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupte
         if mounted:
             full = same_command(command)
         else:  # the backup of step 20 fails as on a full disk
-            full = subprocess.run([sys.executable, "-c", NO_SPACE_AT_A_WRITE, *command[3:]],
-                                  cwd=REPO, capture_output=True, text=True, timeout=300,
-                                  env=cli_env(FAIL_AT="model_and_optimizer", FAIL_NTH="2"))
+            full = fault_at_a_write(command, "nospace", "model_and_optimizer", 2)
         line = _assert_one_error_line(full, 4, str(out), "needed", "free space")
         assert "no space left" in line
         assert not list(out.rglob(".tmp-*")), "a temporary file was left behind"

@@ -4,36 +4,14 @@ same command resumes (issue 27): one run killed at each write in turn, then fini
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import textwrap
 
-from tests.cli.test_train import REPO, cli_env, write_toy_corpus
-from tests.training.test_damaged_runs import _assert_finished, _command, _output, _run
-
-# The train command, SIGKILLed in the middle of writing the file whose path contains KILL_AT
-# (its KILL_NTH time): half the file is on disk under its temporary name.
-KILLED_DURING_A_WRITE = textwrap.dedent(
-    """
-    import os, signal, sys
-    from pipelines import storage
-    from keras_transformer.train import main
-
-    seen = 0
-    original = storage.sync_file
-
-    def sync_file(path):
-        global seen
-        if os.environ["KILL_AT"] in str(path):
-            seen += 1
-            if seen == int(os.environ["KILL_NTH"]):
-                os.truncate(path, os.path.getsize(path) // 2)
-                os.kill(os.getpid(), signal.SIGKILL)
-        original(path)
-
-    storage.sync_file = sync_file
-    sys.exit(main(sys.argv[1:]))
-    """
+from tests.cli.test_train import write_toy_corpus
+from tests.training.test_damaged_runs import (
+    _assert_finished,
+    _command,
+    _output,
+    _run,
+    fault_at_a_write,
 )
 
 # Each kind of file a run writes, by its writer and its moment in the run, in the order a
@@ -55,9 +33,7 @@ def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_p
     out = tmp_path / "run"
     command = _command(data, out)
     for pattern, nth, resumed in WRITES:
-        killed = subprocess.run([sys.executable, "-c", KILLED_DURING_A_WRITE, *command[3:]],
-                                cwd=REPO, capture_output=True, text=True, timeout=300,
-                                env=cli_env(KILL_AT=pattern, KILL_NTH=str(nth)))
+        killed = fault_at_a_write(command, "kill", pattern, nth)
         output = _output(killed)
         assert killed.returncode == -signal.SIGKILL, (pattern, output[-3000:])
         assert "Traceback" not in output and "damaged" not in output, output[-3000:]
