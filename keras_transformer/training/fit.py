@@ -133,18 +133,17 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
     # Every worker must run the same number of validation steps (collectives), so all take
     # the longest shard's count, padding the others from the (repeated) stream.
-    val_steps = max(
-        math.ceil(_count(make_batches(corpora["val"], shuffle=False, input_context=tf.distribute
-                                      .InputContext(context.num_input_pipelines, pipeline,
-                                                    context.num_replicas_in_sync), **batching))
-                  / per_pipeline)
-        for pipeline in range(context.num_input_pipelines)
-    )
+    # Each pipeline's validation batches, built once (building one traces its functions:
+    # ~0.3 s each, paid at every start), counted, sampled and iterated from the same object.
+    val_batches = [make_batches(corpora["val"], shuffle=False, input_context=tf.distribute
+                                .InputContext(context.num_input_pipelines, pipeline,
+                                              context.num_replicas_in_sync), **batching)
+                   for pipeline in range(context.num_input_pipelines)]
+    val_steps = max(math.ceil(_count(batches) / per_pipeline) for batches in val_batches)
     # One pass (repeat=True would fill partial buckets from further passes), wrapped around
     # only to give every worker the same number of batches.
     val_data = strategy.distribute_datasets_from_function(
-        lambda ctx: make_batches(corpora["val"], shuffle=False, input_context=ctx, **batching)
-        .repeat().take(val_steps * per_pipeline))
+        lambda ctx: val_batches[ctx.input_pipeline_id].repeat().take(val_steps * per_pipeline))
 
     if optimization.epochs:  # micro-batches of one replica per epoch, / replicas x accumulate
         micro_batches = sum(len(ends) for ends in prepared.shard_batches(
@@ -183,8 +182,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
               f"{precision}, XLA {'on' if jit else 'off'}; " + (
                   f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")
               + f"; a line every {interval} steps")
-    build_for_distributed_fit(
-        model, next(iter(make_batches(corpora["val"], shuffle=False, **batching))))
+    build_for_distributed_fit(model, next(iter(val_batches[context.input_pipeline_id])))
     # A run that already ended (but was killed while evaluating) is not trained further.
     # (Agreed, as every stop: workers given different --max-minutes could disagree.)
     done = agree(bool(step >= max_steps or state.get("stopped_early") or (
