@@ -16,16 +16,18 @@ from tests.training.test_damaged_runs import (
 
 # Each kind of file a run writes, by its writer and its moment in the run, in the order a
 # run writes them, with what the run killed there must have said first (how it resumed
-# from the kill before): the run's config (a fresh run's first file); a prepared shard,
-# inside the prepared data's staging folder (the manifest and the tokenizer's files go the
-# same way, renamed with it); a periodic checkpoint (best.weights.h5 has the same writer;
-# killed at step 10, before any backup: the next run has nothing to resume); the backup's
-# weights of step 20 (the 2nd in that run); its state.json of step 30 (the 2nd in a run
-# resumed at 10); model.keras at the end (results.json has config.json's writer).
+# from the kill before): the run's config (a fresh run's first file: the run directory then
+# holds only its temporary); a prepared shard, inside the prepared data's staging folder
+# (the manifest and the tokenizer's files go the same way, renamed with it); a periodic
+# checkpoint (best.weights.h5 has the same writer; killed at step 10, before any backup:
+# the next run has nothing to resume); the backup's weights of step 20 (the 2nd in that
+# run); its state.json of step 30 (the 2nd in a run resumed at 10). model.keras and
+# results.json, written at the end by the same `pipelines.storage.replacing`, are redone by
+# the same command while no results.json exists (tests/pipelines/test_storage.py has the
+# writer's own kill-safety).
 WRITES = [("config.json", 1, None), ("shard-", 1, None), ("ckpt-", 1, None),
           ("model_and_optimizer", 2, None),
-          ("state.json", 2, "resuming at step 10, until 30 steps"),
-          ("model.keras", 1, "resuming at step 20, until 30 steps")]
+          ("state.json", 2, "resuming at step 10, until 30 steps")]
 
 
 def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_path):
@@ -41,4 +43,4 @@ def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_p
             assert resumed in output, (pattern, output[-3000:])
     finished = _run(command)
     _assert_finished(finished, out)
-    assert "resuming at step 30, until 30 steps" in _output(finished)
+    assert "resuming at step 20, until 30 steps" in _output(finished)

@@ -1,0 +1,77 @@
+"""`pipelines.storage`: a file is replaced whole or not at all, a full disk is a
+`StorageError` naming the path, and killed writers' temporaries are cleaned up."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipelines import storage
+
+
+def test_a_writer_that_dies_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "results.json"
+    storage.write_json(path, {"bleu": 41.0})
+
+    class Killed(Exception):
+        pass
+
+    with pytest.raises(Killed), storage.replacing(path) as temporary:
+        temporary.write_text('{"bleu": 4')  # half of the new content
+        raise Killed
+    assert path.read_text() == '{\n  "bleu": 41.0\n}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_a_full_disk_is_a_storage_error_naming_the_file_and_the_bytes(tmp_path, monkeypatch):
+    original = storage.sync_file
+
+    def no_space(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(storage, "sync_file", no_space)
+    with pytest.raises(storage.StorageError) as raised:
+        storage.write_bytes(tmp_path / "ckpt.weights.h5", bytes(3000))
+    monkeypatch.setattr(storage, "sync_file", original)
+    error = raised.value
+    assert error.errno == errno.ENOSPC and error.path == tmp_path / "ckpt.weights.h5"
+    assert str(error).startswith(f"no space left on the device writing {tmp_path}/ckpt")
+    assert "2.9 KB needed" in str(error) and "free space" in str(error)
+    assert list(tmp_path.iterdir()) == []
+    # A C library's error carrying the errno text is one too; other errors are not.
+    assert storage.storage_error(RuntimeError("write failed, errno = 28, error message = "
+                                              "'No space left on device'"), tmp_path).errno \
+        == errno.ENOSPC
+    assert storage.storage_error(PermissionError(errno.EACCES, "denied"), tmp_path) is None
+
+
+def test_links_are_followed_devices_written_in_place_and_permissions_kept(tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    target.chmod(0o640)
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    storage.write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert target.stat().st_mode & 0o777 == 0o640
+    storage.write_text("/dev/null", "discarded")  # not replaced by a regular file
+    assert not os.path.isfile("/dev/null")
+
+
+def test_temporaries_of_dead_processes_are_removed_those_of_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / f".tmp-{dead}-ckpt.weights.h5").write_bytes(b"half")
+    (tmp_path / f".tmp-{dead}-step-00000020").mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / f".tmp-{live.pid}-state.json").write_text("{")
+        storage.remove_stale_temporaries(tmp_path)
+        assert [p.name for p in tmp_path.iterdir()] == [f".tmp-{live.pid}-state.json"]
+    finally:
+        live.kill()
+        live.wait()
