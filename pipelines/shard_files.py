@@ -137,15 +137,9 @@ def write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, folder: Path,
     def flush(shard: int) -> None:
         for kind in ("ids", "lengths"):
             path = folder / f"{names[shard]}.{kind}"
-            try:
-                with open(path, "ab") as handle:
-                    handle.writelines(buffers[shard][kind])
-            except OSError as error:
-                failure = storage.storage_error(error, path,
-                                                round(made * expected_pairs / max(seen, 1)))
-                if failure is None:
-                    raise
-                raise failure from None
+            with storage.errors_about(path, round(made * expected_pairs / max(seen, 1))), \
+                    open(path, "ab") as handle:
+                handle.writelines(buffers[shard][kind])
             buffers[shard][kind] = []
         buffered[shard] = 0
 

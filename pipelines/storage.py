@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StorageError", "checksum", "file_checksum", "folder_bytes",
+__all__ = ["StorageError", "checksum", "errors_about", "file_checksum", "folder_bytes",
            "remove_stale_temporaries", "replace_folder", "replacing", "storage_error",
            "sync_file", "sync_tree", "write_bytes", "write_json", "write_text"]
 
@@ -86,6 +86,19 @@ def storage_error(error: BaseException, path: str | os.PathLike,
 
 
 @contextlib.contextmanager
+def errors_about(path: str | os.PathLike, needed: int | None = None) -> Iterator[None]:
+    """Within it, a failure of the storage (see `storage_error`) is raised as a
+    `StorageError` about `path`; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as error:
+        failure = storage_error(error, path, needed)
+        if failure is None or failure is error:
+            raise
+        raise failure from None
+
+
+@contextlib.contextmanager
 def replacing(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """Yields a temporary path to write `path`'s new content to; on leaving, the content
     is fsynced and renamed over `path` (and the folder fsynced).
@@ -104,29 +117,22 @@ def replacing(path: str | os.PathLike, needed: int | None = None) -> Iterator[Pa
     if path.is_symlink():
         path = path.resolve()  # replace the file it points to, not the link
     if path.exists() and not path.is_file():  # /dev/stdout, a pipe: written in place
-        try:
+        with errors_about(path, needed):
             yield path
-        except Exception as error:
-            failure = storage_error(error, path, needed)
-            if failure is not None:
-                raise failure from None
-            raise
         return
     temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        yield temporary
-        sync_file(temporary)
-        if path.exists():  # keep the permissions of the file it replaces
-            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
-        os.replace(temporary, path)
-        _sync_folder(path.parent)
-    except BaseException as error:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        failure = storage_error(error, path, needed) if isinstance(error, Exception) else None
-        if failure is not None:
-            raise failure from None
-        raise
+    with errors_about(path, needed):
+        try:
+            yield temporary
+            sync_file(temporary)
+            if path.exists():  # keep the permissions of the file it replaces
+                os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
+            os.replace(temporary, path)
+            _sync_folder(path.parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise
 
 
 def write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:

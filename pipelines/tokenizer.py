@@ -373,26 +373,26 @@ def _write_directory_atomically(directory: Path, files: Mapping[str, bytes]) -> 
                 "it with a tokenizer: choose a dedicated directory"
             )
     staging = retired = None
-    try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        for name, content in files.items():
-            with open(staging / name, "wb") as handle:
-                handle.write(content)
-        if directory.exists():
-            # Two renames are not one atomic step, but at every instant either the old or
-            # the new complete directory exists under some name.
-            retired = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
-            os.replace(directory, retired / directory.name)
-        storage.replace_folder(staging, directory)  # fsyncs every file, then renames
-    except OSError as error:
-        if retired is not None and not directory.exists():
-            os.replace(retired / directory.name, directory)  # the old one back in place
-        failure = storage.storage_error(error, directory, sum(map(len, files.values())))
-        if failure is None:
+    with storage.errors_about(directory, sum(map(len, files.values()))):
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-",
+                                            dir=directory.parent))
+            for name, content in files.items():
+                with open(staging / name, "wb") as handle:
+                    handle.write(content)
+            if directory.exists():
+                # Two renames are not one atomic step, but at every instant either the old
+                # or the new complete directory exists under some name.
+                retired = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-",
+                                                dir=directory.parent))
+                os.replace(directory, retired / directory.name)
+            storage.replace_folder(staging, directory)  # fsyncs every file, then renames
+        except OSError:
+            if retired is not None and not directory.exists():
+                os.replace(retired / directory.name, directory)  # the old one back in place
             raise
-        raise failure from None
-    finally:
-        for folder in (staging, retired):
-            if folder is not None and folder.exists():
-                shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            for folder in (staging, retired):
+                if folder is not None and folder.exists():
+                    shutil.rmtree(folder, ignore_errors=True)

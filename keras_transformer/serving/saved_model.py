@@ -241,13 +241,8 @@ def export_saved_model(
             nothing of it is left, earlier versions are untouched.
     """
     export_base = Path(export_base)
-    try:
+    with storage.errors_about(export_base):  # a read-only or full disk already here
         export_base.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # a read-only or full disk already here
-        failure = storage.storage_error(error, export_base)
-        if failure is None:
-            raise
-        raise failure from None
     storage.remove_stale_temporaries(export_base, _TEMP_PREFIX)
     if version is None:
         version = (latest_version(export_base) or 0) + 1
