@@ -38,14 +38,24 @@ def length_penalty(length, alpha):
     return tf.pow((5.0 + tf.cast(length, tf.float32)) / 6.0, tf.cast(alpha, tf.float32))
 
 
-def _token_bias(vocab_size, eos_allowed):
-    """Additive log-prob bias (vocab,) that forbids PAD and BOS, and EOS unless allowed.
+def _token_biases(vocab_size):
+    """Additive log-prob biases (2, vocab): row 1 forbids PAD and BOS, row 0 EOS as well
+    (before `min_length`). Built once per search; a step picks its row.
 
     Emitting PAD would make the 0-padded output ambiguous; BOS is never a target token.
     """
     ids = tf.range(vocab_size)
-    forbidden = (ids == PAD_ID) | (ids == BOS_ID) | ((ids == EOS_ID) & tf.logical_not(eos_allowed))
+    forbidden = (ids == PAD_ID) | (ids == BOS_ID)
+    forbidden = tf.stack([forbidden | (ids == EOS_ID), forbidden])
     return tf.where(forbidden, tf.constant(NEG_INF, tf.float32), 0.0)
+
+
+def _token_bias(biases, log_probs, index, min_length):
+    """The row of `biases` (from `_token_biases`, or None to build them for `log_probs`'
+    width) for the token at step `index`: (1, vocab)."""
+    if biases is None:
+        biases = _token_biases(tf.shape(log_probs)[-1])
+    return tf.gather(biases, tf.cast(index + 1 >= min_length, tf.int32))[None, :]
 
 
 def _limits(source_ids, extra_length, max_length, force_length):
@@ -171,7 +181,7 @@ def _search_compiled(step, results, rows, outputs, stepper, steps, beam_size):
 
 
 def _setup(model, source_ids, beam_size, extra_length, max_length, force_length, use_cache,
-           jit_compile):
+           jit_compile, reorders=True):
     """(limits (batch,), steps, token buffer width, stepper) of one search."""
     limits = _limits(source_ids, extra_length, max_length, force_length)
     steps = tf.reduce_max(limits)
@@ -179,7 +189,7 @@ def _setup(model, source_ids, beam_size, extra_length, max_length, force_length,
     length = round_up(steps, JIT_LENGTH_BUCKET) if jit_compile else steps
     encoder_output, source_mask = encode(model, source_ids, bucketed=jit_compile)
     stepper = Stepper(model, encoder_output, source_mask, beam_size, length, use_cache,
-                      fixed_length=jit_compile)
+                      fixed_length=jit_compile, reorders=reorders)
     return limits, steps, length + 1, stepper
 
 
@@ -195,12 +205,15 @@ def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_l
     batch = tf.shape(source_ids)[0]
     min_length = tf.where(force_length > 0, force_length + 1, min_length)
     limits, steps, width, stepper = _setup(model, source_ids, 1, extra_length, max_length,
-                                           force_length, use_cache, jit_compile)
+                                           force_length, use_cache, jit_compile, reorders=False)
+
+    vocab_size = stepper.vocab_size
+    biases = None if vocab_size is None else _token_biases(vocab_size)
 
     def step(index, rows, state):
         sentences, active, sequences, scores, sentence_limits = rows
         log_probs, state = stepper(sequences, index, state)
-        log_probs += _token_bias(tf.shape(log_probs)[-1], index + 1 >= min_length)[None, :]
+        log_probs += _token_bias(biases, log_probs, index, min_length)
         tokens = tf.where(active, tf.argmax(log_probs, axis=-1, output_type=tf.int32), PAD_ID)
         scores += tf.where(active, tf.gather(log_probs, tokens, batch_dims=1), 0.0)
         sequences = write_column(sequences, index + 1, tokens)
@@ -238,6 +251,11 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     limits, steps, width, stepper = _setup(model, source_ids, beam_size, extra_length,
                                            max_length, force_length, use_cache, jit_compile)
 
+    vocab_size = stepper.vocab_size
+    biases = None if vocab_size is None else _token_biases(vocab_size)
+    # The length penalty of a hypothesis ending at each step (index + 1 tokens).
+    penalties = length_penalty(tf.range(1, steps + 1), alpha)
+
     def step(index, rows, state):
         (sentences, active, alive_seq, alive_log_probs, finished_seq, finished_scores,
          finished_flags, sentence_limits, max_penalty) = rows
@@ -245,7 +263,7 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
         count, beams = tf.shape(alive_log_probs)[0], tf.shape(alive_log_probs)[1]
         log_probs, state = stepper(tf.reshape(alive_seq, [count * beams, width]), index, state)
         vocab = tf.shape(log_probs)[-1]
-        log_probs += _token_bias(vocab, index + 1 >= min_length)[None, :]
+        log_probs += _token_bias(biases, log_probs, index, min_length)
         candidates = alive_log_probs[:, :, None] + tf.reshape(log_probs, [count, beams, vocab])
         top_log_probs, top_ids = tf.math.top_k(
             tf.reshape(candidates, [count, beams * vocab]), k=2 * beams)
@@ -267,7 +285,7 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
 
         # Finished: merge the pool with the candidates that end here, keep the best.
         candidate_scores = tf.where(
-            ends, top_log_probs / length_penalty(index + 1, alpha), NEG_INF)
+            ends, top_log_probs / penalties[index], NEG_INF)
         pool_scores = tf.concat([finished_scores, candidate_scores], axis=1)
         pool_seq = tf.concat([finished_seq, candidate_seq], axis=1)
         pool_flags = tf.concat([finished_flags, ends], axis=1)

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from keras_transformer.decoding import inference_decoder
+from keras_transformer.decoding.inference_decoder import InferenceModel
 from keras_transformer.decoding.search import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
@@ -99,7 +101,9 @@ class TranslationModule(tf.Module):
         if max_input_tokens < 1 or max_extra_length < 0 or chunk_size < 1:
             raise ValueError("max_input_tokens and chunk_size must be >= 1, "
                              "max_extra_length >= 0.")
-        self.model = model
+        # The decoder's weights stored in the decoding step's layout (fused Q/K/V kernels, the
+        # transposed output projection): computed once here and saved, not at every request.
+        self.model = InferenceModel(model) if inference_decoder.supports(model) else model
         self.tokenizer = tokenizer
         self.beam_size, self.alpha = int(beam_size), float(alpha)
         self.max_input_tokens, self.max_extra_length = int(max_input_tokens), int(max_extra_length)
