@@ -43,6 +43,9 @@ BATCH = 32
 LATENCY_SENTENCES = 100
 CLIENTS, REQUESTS, MAX_REQUEST = 8, 50, 8
 IDLE_SECONDS = 1.0
+# oneDNN reorders a MatMul's weights into its blocked layout once and keeps them, instead of
+# at every call; right only when every MatMul's second input is a weight that never changes.
+FROZEN_WEIGHTS = "TF_ONEDNN_ASSUME_FROZEN_WEIGHTS"
 
 # Each engine lives in its own child process (our SavedModel's imports only tensorflow and
 # tensorflow_text), which waits for one JSON command per line on stdin and answers one JSON
@@ -121,15 +124,16 @@ for line in sys.stdin:
 
 
 class Engine:
-    """One engine in a child process: `SAVED_MODEL_LOAD` or `CTRANSLATE2_LOAD` with `args`."""
+    """One engine in a child process: `SAVED_MODEL_LOAD` or `CTRANSLATE2_LOAD` with `args`,
+    and `env` added to its environment."""
 
-    def __init__(self, load: str, *args: str):
+    def __init__(self, load: str, *args: str, env: dict[str, str] | None = None):
         load = load.format(threads=THREADS, batch=BATCH)
         script = ENGINE_CHILD.format(load=load, requests=REQUESTS, max_request=MAX_REQUEST,
                                      clients=CLIENTS)
         self.child = subprocess.Popen(
             [sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+            text=True, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {})))
         self._answer()  # "ready": loaded
 
     def _answer(self):
@@ -200,6 +204,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--xla", action="store_true",
                         help="also a SavedModel with an XLA-compiled decoding step")
+    parser.add_argument("--frozen-weights", action="store_true",
+                        help="also the SavedModel in a process with "
+                             f"{FROZEN_WEIGHTS}=1 (oneDNN caches its reordered weights)")
+    parser.add_argument("--baseline", metavar="SAVED_MODEL",
+                        help="also this SavedModel (e.g. one exported by an older version of "
+                             "the code: an A/B in the same run)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (its `cases`) as the last line")
     args = parser.parse_args()
@@ -223,6 +233,11 @@ def main() -> None:
         try:
             saved = export_saved_model(model, tokenizer, folder / "saved", chunk_size=BATCH)
             engines["savedmodel"] = Engine(SAVED_MODEL_LOAD, str(saved))
+            if args.frozen_weights:
+                engines["savedmodel_frozen"] = Engine(SAVED_MODEL_LOAD, str(saved),
+                                                      env={FROZEN_WEIGHTS: "1"})
+            if args.baseline:
+                engines["baseline"] = Engine(SAVED_MODEL_LOAD, args.baseline)
             if args.xla:
                 xla = export_saved_model(model, tokenizer, folder / "xla", chunk_size=BATCH,
                                          jit_compile=True)

@@ -30,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from keras_transformer.layers.embedding import sinusoidal_encoding
+from keras_transformer.model.transformer import Transformer
 
 
 class _Norm(NamedTuple):
@@ -78,18 +79,30 @@ def _attention_weights(attention, d_model: int, parts: tuple[str, ...]):
     return kernel, bias
 
 
-def _layer_weights(layer, d_model: int) -> _LayerWeights:
-    self_qkv = _attention_weights(layer.self_attention, d_model, ("query", "key", "value"))
-    cross_query = _attention_weights(layer.cross_attention, d_model, ("query",))
-    cross_kv = _attention_weights(layer.cross_attention, d_model, ("key", "value"))
+class _Fused(NamedTuple):
+    """The weights of a layer that the step layout builds from several variables."""
+
+    self_qkv_kernel: tf.Tensor
+    self_qkv_bias: tf.Tensor
+    cross_kv_kernel: tf.Tensor
+    cross_kv_bias: tf.Tensor
+
+
+def _fused(layer, d_model: int) -> _Fused:
+    return _Fused(
+        *_attention_weights(layer.self_attention, d_model, ("query", "key", "value")),
+        *_attention_weights(layer.cross_attention, d_model, ("key", "value")))
+
+
+def _layer_weights(layer, d_model: int, fused: _Fused) -> _LayerWeights:
     feed_forward = layer.feed_forward
     return _LayerWeights(
-        *self_qkv,
+        fused.self_qkv_kernel, fused.self_qkv_bias,
         _matrix(layer.self_attention._output_dense.kernel, d_model),
         _matrix(layer.self_attention._output_dense.bias, 0),
         _norm(layer.self_attention_block.norm),
-        *cross_query,
-        *cross_kv,
+        *_attention_weights(layer.cross_attention, d_model, ("query",)),
+        fused.cross_kv_kernel, fused.cross_kv_bias,
         _matrix(layer.cross_attention._output_dense.kernel, d_model),
         _matrix(layer.cross_attention._output_dense.bias, 0),
         _norm(layer.cross_attention_block.norm),
@@ -110,23 +123,34 @@ class DecoderWeights(NamedTuple):
     output_kernel: tf.Tensor  # (d_model, vocab_size)
 
 
-def decoder_weights(model) -> DecoderWeights:
+def _output_kernel(model) -> tf.Tensor:
+    """The output projection as a (d_model, vocab) kernel. With tied embeddings (3.4) the
+    embedding matrix transposed: a (d_model, vocab) kernel makes the step's largest MatMul
+    ~20% faster than multiplying by the embedding matrix transposed at every step."""
+    if model.output_projection is not None:
+        return tf.convert_to_tensor(model.output_projection.kernel)
+    return tf.transpose(tf.convert_to_tensor(model.target_embedding.embeddings))
+
+
+def decoder_weights(model, stored: InferenceModel | None = None) -> DecoderWeights:
     """`model`'s decoder weights in the layout `InferenceDecoder` consumes.
 
-    Read from the variables: in a `tf.function` the values at each call; eagerly a snapshot
-    (as `InferenceModel` stores for an export).
+    Read from the variables: in a `tf.function` the values at each call. The weights built
+    from several variables (fused kernels, the transposed output projection) are computed
+    here, unless `stored` holds them (an `InferenceModel` of `model`).
     """
     d_model = model.config.d_model
-    embeddings = tf.convert_to_tensor(model.target_embedding.embeddings)
-    # With tied embeddings (3.4) the output projection is the embedding matrix transposed,
-    # here once: a (d_model, vocab) kernel makes the step's largest MatMul ~20% faster than
-    # multiplying by the embedding matrix transposed at every step.
-    output_kernel = (tf.transpose(embeddings) if model.output_projection is None
-                     else tf.convert_to_tensor(model.output_projection.kernel))
+    if stored is None:
+        fused = [_fused(layer, d_model) for layer in model.decoder_layers]
+        output_kernel = _output_kernel(model)
+    else:
+        fused = [_Fused(*map(tf.convert_to_tensor, layer)) for layer in stored.fused]
+        output_kernel = tf.convert_to_tensor(stored.output_kernel)
     return DecoderWeights(
-        layers=tuple(_layer_weights(layer, d_model) for layer in model.decoder_layers),
+        layers=tuple(_layer_weights(layer, d_model, layer_fused)
+                     for layer, layer_fused in zip(model.decoder_layers, fused, strict=True)),
         final_norm=None if model.decoder_norm is None else _norm(model.decoder_norm),
-        embeddings=embeddings,
+        embeddings=tf.convert_to_tensor(model.target_embedding.embeddings),
         output_kernel=output_kernel,
     )
 
@@ -134,8 +158,6 @@ def decoder_weights(model) -> DecoderWeights:
 def supports(model) -> bool:
     """Whether `InferenceDecoder` can run `model`: an `InferenceModel`, or a float32
     `Transformer` whose projections have biases (the layers' default)."""
-    from keras_transformer.model.transformer import Transformer  # noqa: PLC0415 (cycle)
-
     if isinstance(model, InferenceModel):
         return True
     if not isinstance(model, Transformer) or model.compute_dtype != "float32":
@@ -144,12 +166,13 @@ def supports(model) -> bool:
 
 
 class InferenceModel(tf.Module):
-    """A float32 `Transformer` with its decoder weights stored in the step's layout.
+    """A float32 `Transformer` with the step layout's fused weights stored once.
 
-    For exports: the fused and transposed copies are computed once, here, and saved with the
-    SavedModel (~a decoder's and an embedding matrix's size more), instead of being rebuilt at
-    every request. Searches (`keras_transformer.decoding.search`) take it as they take the
-    model; its weights are a snapshot, so it is for a model that no longer trains.
+    For exports: the fused Q/K/V and K/V kernels and the transposed output projection are
+    computed here, once, and saved with the SavedModel (12 MB more at `small`), instead of
+    being rebuilt at every request; the other weights are the model's own variables. Searches
+    (`keras_transformer.decoding.search`) take it as they take the model. Build it from a
+    model that no longer trains: the stored copies do not follow later changes.
 
     Args:
         model: a float32 `Transformer` (see `supports`).
@@ -157,13 +180,17 @@ class InferenceModel(tf.Module):
 
     def __init__(self, model):
         super().__init__(name="inference_model")
-        if not supports(model) or isinstance(model, InferenceModel):
+        if isinstance(model, InferenceModel) or not supports(model):
             raise ValueError("InferenceModel takes a float32 Transformer with biased projections.")
         self.model = model
-        weights = decoder_weights(model)
-        self.weights = tf.nest.map_structure(
-            lambda tensor: None if tensor is None else tf.Variable(tensor, trainable=False),
-            weights)
+        d_model = model.config.d_model
+
+        def stored(tensor):
+            return tf.Variable(tensor, trainable=False)
+
+        self.fused = [_Fused(*map(stored, _fused(layer, d_model)))
+                      for layer in model.decoder_layers]
+        self.output_kernel = stored(_output_kernel(model))
 
     def encode(self, source_ids):
         """`Transformer.encode`."""
@@ -195,9 +222,7 @@ class InferenceDecoder:
 
     def __init__(self, model, max_steps):
         if isinstance(model, InferenceModel):
-            weights = tf.nest.map_structure(
-                lambda variable: None if variable is None else tf.convert_to_tensor(variable),
-                model.weights)
+            weights = decoder_weights(model.model, stored=model)
             model = model.model
         else:
             weights = decoder_weights(model)
@@ -256,8 +281,8 @@ class InferenceDecoder:
         Args:
             tokens: int32 (rows,), the tokens at position `index`.
             index: int32 scalar, their position.
-            cache: from `initial_cache` or the previous step (rows as `tokens`).
-            encoder_side: from `encoder_side`, one row per hypothesis row.
+            cache: from `start` or the previous step (rows as `tokens`).
+            encoder_side: from `start`, one row per hypothesis row.
             grow_cache: append this position to the cache (else write it at `index` into a
                 cache of fixed length, masking the positions after it).
 

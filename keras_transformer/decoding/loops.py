@@ -1,11 +1,12 @@
 """The graph-mode search loops behind `keras_transformer.decoding.search` (paper 6.1).
 
 Both loops are plain TensorFlow (`tf.while_loop`) so they trace into a `tf.function` and export
-into a SavedModel. They only use a model's `encode`, `initial_cache` and `decode` methods (with
-`Transformer.decode`'s `grow_cache` argument), so any object exposing that API (such as a
-hand-made test model) can be searched.
+into a SavedModel. A float32 `Transformer` (or its `InferenceModel`) runs its steps in the
+serving layout (`inference_decoder`); any other object with `encode`, `initial_cache` and
+`decode` (with `Transformer.decode`'s `grow_cache` argument), such as a hand-made test model or
+a mixed-precision Transformer, is searched through those methods.
 
-Finished sentences leave the batch (`search_steps`). With `jit_compile` the steps run inside
+Finished sentences leave the batch (`stepper`). With `jit_compile` the steps run inside
 XLA, a segment of steps per launch, and the batch shrinks between segments.
 
 Conventions: token buffers hold BOS in column 0 and the generated token of step `i` in column

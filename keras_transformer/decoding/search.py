@@ -5,9 +5,10 @@ the encoder and the encoder-decoder keys/values are computed once per batch, and
 one new position per hypothesis. `use_cache=False` re-runs the decoder over the whole prefix at
 every step instead (the reference that tests and the benchmark compare against).
 
-The searches only call `model.encode`, `model.initial_cache` and `model.decode`, so they work for
-a `Transformer` in float32 or mixed_bfloat16 (logits come back float32 either way) and for any
-object with that API. Called eagerly they run a cached, compiled `tf.function` per model and
+A float32 `Transformer` (or an `InferenceModel`, as exports hold) runs its decoding steps in the
+serving layout (`keras_transformer.decoding.inference_decoder`: the same tokens, fewer ops);
+a mixed_bfloat16 `Transformer` (logits come back float32 either way) and any object with
+`encode`/`initial_cache`/`decode` are searched through those methods. Called eagerly they run a cached, compiled `tf.function` per model and
 option set; called inside a `tf.function` (as the SavedModel export does) they trace inline.
 
 Outputs are dense int32 ids without BOS: the generated tokens, ending with EOS when the model
@@ -109,7 +110,8 @@ def greedy_search(
     """Greedy decoding of a batch: the most likely token at every step.
 
     Args:
-        model: a `Transformer` (or any object with its encode/initial_cache/decode API).
+        model: a `Transformer`, an `InferenceModel`, or any object with the Transformer's
+            encode/initial_cache/decode API.
         source_ids: int (batch, source_length), 0-padded source token ids.
         max_length: absolute cap on generated tokens (EOS included), on top of `extra_length`.
         extra_length: each sentence may produce up to its source length (non-PAD tokens) plus
@@ -161,7 +163,8 @@ def beam_search(
     """Beam search of a batch with the GNMT length penalty ((5 + length) / 6) ** alpha.
 
     Args:
-        model: a `Transformer` (or any object with its encode/initial_cache/decode API).
+        model: a `Transformer`, an `InferenceModel`, or any object with the Transformer's
+            encode/initial_cache/decode API.
         source_ids: int (batch, source_length), 0-padded source token ids.
         beam_size: hypotheses kept per sentence (paper: 4). May be a scalar int32 tensor
             inside a `tf.function`.

@@ -1,9 +1,11 @@
 """One step of incremental decoding over the live hypotheses, and the batch that shrinks.
 
-`search_loops` runs greedy and beam search as loops over `Stepper` calls. A stepper holds what a
-step reads per hypothesis row (the self-attention cache, the encoder side, the source mask) and
-applies the beam reorder and the removal of finished sentences (`select`); `kept_sentences`
-decides when the batch shrinks.
+`loops` runs greedy and beam search as loops over `Stepper` calls. A stepper holds what a step
+reads per hypothesis row (the self-attention cache, the encoder side: cross-attention keys and
+values and the source mask) and applies the beam reorder and the removal of finished sentences
+(`select`); `kept_sentences` decides when the batch shrinks. The step itself is a decoder's:
+`InferenceDecoder` (the serving layout, for float32 Transformers) or `ModelDecoder` (any
+model's `initial_cache`/`decode`).
 
 Conventions: token buffers hold BOS in column 0 and the generated token of step `i` in column
 `i + 1`; the batch*beam axis is batch-major (row `b * beam_size + k`).

@@ -85,7 +85,7 @@ class TranslationModule(tf.Module):
         max_extra_length: output tokens allowed beyond the source length (paper: 50).
         chunk_size: sentences decoded together; larger batches are split.
         jit_compile: run the decoding loop as XLA-compiled segments inside the SavedModel
-            (see `search_loops`). TF Serving runs it only with
+            (see `keras_transformer.decoding.loops`). TF Serving runs it only with
             `--xla_cpu_compilation_enabled=true` on CPUs; the first request of each new shape
             compiles (seconds).
     """
