@@ -184,6 +184,42 @@ def measure(engines: dict, texts: list[str], runs: int) -> dict:
     return results
 
 
+def matmul_weight_inputs(saved_model: Path) -> dict[str, int]:
+    """How the second input of each 2-D MatMul in `saved_model`'s graph is made, counted.
+
+    `TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1` makes oneDNN's MatMul kernels (not BatchMatMul's)
+    reuse the reordered second input of their first call: right only if that input is a
+    weight. Each is followed back through views (Reshape, Identity, ConcatV2, Transpose) to a
+    variable read, or to a loop argument named after the captured tensor it carries.
+    """
+    from tensorflow.core.protobuf import saved_model_pb2  # noqa: PLC0415 (TF after flags)
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((saved_model / "saved_model.pb").read_bytes())
+    counts: dict[str, int] = {}
+    for function in proto.meta_graphs[0].graph_def.library.function:
+        nodes = {node.name: node for node in function.node_def}
+        for node in function.node_def:
+            if node.op != "MatMul":
+                continue
+            name, origin = node.input[1].split(":")[0], "other"
+            while name in nodes:
+                source = nodes[name]
+                if source.op == "ReadVariableOp":
+                    origin = "variable"
+                    break
+                if source.op not in ("Reshape", "Identity", "ConcatV2", "Transpose"):
+                    origin = source.op
+                    break
+                name = source.input[0].split(":")[0]
+            else:
+                is_weight = any(word in name for word in ("readvariableop", "reshape", "concat",
+                                                          "transpose"))
+                origin = "loop argument from a variable" if is_weight else f"argument {name}"
+            counts[origin] = counts.get(origin, 0) + 1
+    return counts
+
+
 def add_run_and_split_flags(parser: argparse.ArgumentParser) -> None:
     """--model (a run directory) and the split it translates: --data, --split, --src, --tgt."""
     parser.add_argument("--model", required=True, help="run directory")
@@ -234,6 +270,7 @@ def main() -> None:
             saved = export_saved_model(model, tokenizer, folder / "saved", chunk_size=BATCH)
             engines["savedmodel"] = Engine(SAVED_MODEL_LOAD, str(saved))
             if args.frozen_weights:
+                print(f"MatMul weight inputs in the export: {matmul_weight_inputs(saved)}")
                 engines["savedmodel_frozen"] = Engine(SAVED_MODEL_LOAD, str(saved),
                                                       env={FROZEN_WEIGHTS: "1"})
             if args.baseline:

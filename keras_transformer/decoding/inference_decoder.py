@@ -74,9 +74,11 @@ def _norm(layer) -> _Norm:
 def _attention_weights(attention, d_model: int, parts: tuple[str, ...]):
     """(kernel (d_model, len(parts) d_model), bias) of the named projections side by side."""
     layers = [getattr(attention, f"_{part}_dense") for part in parts]
-    kernel = tf.concat([_matrix(layer.kernel, d_model) for layer in layers], axis=1)
-    bias = tf.concat([_matrix(layer.bias, 0) for layer in layers], axis=0)
-    return kernel, bias
+    kernels = [_matrix(layer.kernel, d_model) for layer in layers]
+    biases = [_matrix(layer.bias, 0) for layer in layers]
+    if len(layers) == 1:  # a view of the variables, no copy
+        return kernels[0], biases[0]
+    return tf.concat(kernels, axis=1), tf.concat(biases, axis=0)
 
 
 class _Fused(NamedTuple):
