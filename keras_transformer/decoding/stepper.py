@@ -93,10 +93,10 @@ class Stepper:
         repeats: hypotheses per sentence (the beam size).
         max_length: target positions a fixed-length cache holds (with `fixed_length`).
         use_cache: incremental decoding; False re-runs the decoder over the whole prefix.
-        reorders: rows may continue other rows' caches at every step (beam search); False:
-            only when sentences leave (greedy search).
         fixed_length: a cache of `max_length` positions written in place (shapes stay fixed,
             as XLA wants) instead of one that grows by a position a step.
+        reorders: rows may continue other rows' caches at every step (beam search); False:
+            only when sentences leave (greedy search).
     """
 
     def __init__(self, model, encoder_output, source_mask, repeats, max_length, use_cache,
