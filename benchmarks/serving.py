@@ -16,8 +16,11 @@ greedy and beam 4 (α 0.6):
 Reported per engine and beam: target tokens/s (SentencePiece pieces of the outputs + EOS, the
 same count for every engine), sentences/s (medians of `--runs` passes after a warm-up pass),
 sacreBLEU against the references; for beam 4 also the batch-1 latency (p50, p90 over the first
-100 sentences, one request each). All engines stay loaded and take turns pass by pass, so
-that a machine whose speed drifts during the run (other tenants) slows them alike. A
+100 sentences, one request each; engine after engine: alternating them sentence by sentence
+lets CTranslate2's spinning threads slow the next engine). All engines stay loaded and take
+turns pass by pass, so that a machine whose speed drifts during the run (other tenants) slows
+them alike. `--frozen-weights` adds the SavedModel in a process with
+`TF_ONEDNN_ASSUME_FROZEN_WEIGHTS=1`, `--baseline` another SavedModel (an A/B of two exports). A
 concurrency case sends 8 client threads x 50 requests of 1-8 sentences (seeded) to one loaded
 SavedModel: errors, throughput and peak memory.
 

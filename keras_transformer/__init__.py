@@ -81,6 +81,7 @@ _EXPORTS = {
     "average_checkpoints": "keras_transformer.training.checkpoints",
     "greedy_search": "keras_transformer.decoding.search",
     "beam_search": "keras_transformer.decoding.search",
+    "InferenceModel": "keras_transformer.decoding.inference_decoder",
     "translate_texts": "keras_transformer.decoding.translator",
     "Translator": "keras_transformer.decoding.translator",
     "score_translations": "keras_transformer.decoding.scoring",
