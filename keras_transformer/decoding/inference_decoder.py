@@ -12,9 +12,11 @@ once per search, outside the step loop: the self-attention's Q/K/V kernels fused
 (d_model, 3 d_model) matrix, the encoder-side K/V kernels into one, every projection a 2-D
 `MatMul` + `BiasAdd` (+ the residual add) that TensorFlow's oneDNN remapper fuses into one
 `_FusedMatMul`, the step on (rows, d_model) throughout; the position encodings of every step,
-the cross-attention mask and the forbidden-token biases computed once per batch. Training,
-checkpoints and the exported variables are unchanged: this is another way to run the same
-weights, for float32 models (what the SavedModel and CTranslate2 export serve).
+the cross-attention mask and the forbidden-token biases computed once per batch. Training and
+checkpoints are unchanged: this is another way to run the same weights, for float32 models
+(what the SavedModel serves); an export adds only the fused and transposed copies
+(`InferenceModel`). The attention and LayerNorm arithmetic is the layers' own
+(`attend_one_query`, `standardize`).
 
 Conventions as in `keras_transformer.decoding.stepper`: the self-attention cache of a layer is
 (keys, values), each (rows, num_heads, length, d_k), grown by one position a step (or, under
@@ -29,7 +31,9 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
+from keras_transformer.layers.attention import attend_one_query
 from keras_transformer.layers.embedding import sinusoidal_encoding
+from keras_transformer.layers.normalization import standardize
 from keras_transformer.model.transformer import Transformer
 
 
@@ -60,25 +64,15 @@ class _LayerWeights(NamedTuple):
     feed_forward_norm: _Norm
 
 
-def _matrix(variable, rows: int) -> tf.Tensor:
-    """An EinsumDense kernel ((d_model, heads, d_k) or (heads, d_k, d_model)) or bias as the
-    2-D (rows, -1) matrix (or 1-D vector if `rows` is 0) a MatMul / BiasAdd takes."""
-    value = tf.convert_to_tensor(variable)
-    return tf.reshape(value, [-1] if rows == 0 else [rows, -1])
-
-
 def _norm(layer) -> _Norm:
     return _Norm(tf.convert_to_tensor(layer.gamma), tf.convert_to_tensor(layer.beta))
 
 
-def _attention_weights(attention, d_model: int, parts: tuple[str, ...]):
-    """(kernel (d_model, len(parts) d_model), bias) of the named projections side by side."""
-    layers = [getattr(attention, f"_{part}_dense") for part in parts]
-    kernels = [_matrix(layer.kernel, d_model) for layer in layers]
-    biases = [_matrix(layer.bias, 0) for layer in layers]
-    if len(layers) == 1:  # a view of the variables, no copy
-        return kernels[0], biases[0]
-    return tf.concat(kernels, axis=1), tf.concat(biases, axis=0)
+def _attention_weights(attention, parts: tuple[str, ...]):
+    """(kernel (d_model, len(parts) d_model), bias) of the named projections of a
+    `MultiHeadAttention` ("query", "key", "value", "output") side by side."""
+    return attention.projection_weights(
+        *(getattr(attention, f"_{part}_dense") for part in parts))
 
 
 class _Fused(NamedTuple):
@@ -90,23 +84,20 @@ class _Fused(NamedTuple):
     cross_kv_bias: tf.Tensor
 
 
-def _fused(layer, d_model: int) -> _Fused:
-    return _Fused(
-        *_attention_weights(layer.self_attention, d_model, ("query", "key", "value")),
-        *_attention_weights(layer.cross_attention, d_model, ("key", "value")))
+def _fused(layer) -> _Fused:
+    return _Fused(*_attention_weights(layer.self_attention, ("query", "key", "value")),
+                  *_attention_weights(layer.cross_attention, ("key", "value")))
 
 
-def _layer_weights(layer, d_model: int, fused: _Fused) -> _LayerWeights:
+def _layer_weights(layer, fused: _Fused) -> _LayerWeights:
     feed_forward = layer.feed_forward
     return _LayerWeights(
         fused.self_qkv_kernel, fused.self_qkv_bias,
-        _matrix(layer.self_attention._output_dense.kernel, d_model),
-        _matrix(layer.self_attention._output_dense.bias, 0),
+        *_attention_weights(layer.self_attention, ("output",)),
         _norm(layer.self_attention_block.norm),
-        *_attention_weights(layer.cross_attention, d_model, ("query",)),
+        *_attention_weights(layer.cross_attention, ("query",)),
         fused.cross_kv_kernel, fused.cross_kv_bias,
-        _matrix(layer.cross_attention._output_dense.kernel, d_model),
-        _matrix(layer.cross_attention._output_dense.bias, 0),
+        *_attention_weights(layer.cross_attention, ("output",)),
         _norm(layer.cross_attention_block.norm),
         tf.convert_to_tensor(feed_forward.inner_dense.kernel),
         tf.convert_to_tensor(feed_forward.inner_dense.bias),
@@ -141,15 +132,14 @@ def decoder_weights(model, stored: InferenceModel | None = None) -> DecoderWeigh
     from several variables (fused kernels, the transposed output projection) are computed
     here, unless `stored` holds them (an `InferenceModel` of `model`).
     """
-    d_model = model.config.d_model
     if stored is None:
-        fused = [_fused(layer, d_model) for layer in model.decoder_layers]
+        fused = [_fused(layer) for layer in model.decoder_layers]
         output_kernel = _output_kernel(model)
     else:
         fused = [_Fused(*map(tf.convert_to_tensor, layer)) for layer in stored.fused]
         output_kernel = tf.convert_to_tensor(stored.output_kernel)
     return DecoderWeights(
-        layers=tuple(_layer_weights(layer, d_model, layer_fused)
+        layers=tuple(_layer_weights(layer, layer_fused)
                      for layer, layer_fused in zip(model.decoder_layers, fused, strict=True)),
         final_norm=None if model.decoder_norm is None else _norm(model.decoder_norm),
         embeddings=tf.convert_to_tensor(model.target_embedding.embeddings),
@@ -185,12 +175,11 @@ class InferenceModel(tf.Module):
         if isinstance(model, InferenceModel) or not supports(model):
             raise ValueError("InferenceModel takes a float32 Transformer with biased projections.")
         self.model = model
-        d_model = model.config.d_model
 
         def stored(tensor):
             return tf.Variable(tensor, trainable=False)
 
-        self.fused = [_Fused(*map(stored, _fused(layer, d_model)))
+        self.fused = [_Fused(*map(stored, _fused(layer)))
                       for layer in model.decoder_layers]
         self.output_kernel = stored(_output_kernel(model))
 
@@ -321,8 +310,8 @@ class InferenceDecoder:
             values = tf.concat([cache[1], value], axis=2)
         else:
             start = [0, 0, index, 0]
-            keys = _write_position(cache[0], key, start)
-            values = _write_position(cache[1], value, start)
+            keys = keras.ops.slice_update(cache[0], start, key)
+            values = keras.ops.slice_update(cache[1], start, value)
         attended = self._attend(query, keys, values, mask)
         return self._residual(x, attended, weights.self_output_kernel,
                               weights.self_output_bias, weights.self_norm), (keys, values)
@@ -344,16 +333,10 @@ class InferenceDecoder:
         return self._after(x, outputs, weights.feed_forward_norm)
 
     def _attend(self, query, keys, values, mask):
-        """3.2.1 for one query per row, as `MultiHeadAttention._attend_one_query`: query
-        (rows, heads, 1, d_k), keys/values (rows, heads, length, d_k), mask bool
-        broadcastable to (rows, heads, length) -> (rows, d_model)."""
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = tf.reduce_sum((query * scale) * keys, axis=-1)  # (rows, heads, length)
-        if mask is not None:
-            scores = tf.where(mask, scores, tf.float32.min)
-        scores = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
-        weights = scores / tf.reduce_sum(scores, axis=-1, keepdims=True)
-        attended = tf.reduce_sum(weights[:, :, :, None] * values, axis=2)
+        """3.2.1 as the layers' one-query attention: query (rows, heads, 1, d_k), keys/values
+        (rows, heads, length, d_k), mask bool broadcastable to (rows, heads, length) ->
+        (rows, d_model)."""
+        attended, _ = attend_one_query(query, keys, values, mask)
         return tf.reshape(attended, [-1, self.d_model])
 
     def _residual(self, x, attended, kernel, bias, norm):
@@ -366,13 +349,5 @@ class InferenceDecoder:
 
     def _layer_norm(self, x, norm: _Norm):
         """`keras_transformer.layers.normalization.layer_normalization`'s forward pass."""
-        mean = tf.reduce_mean(x, axis=-1, keepdims=True)
-        centered = x - mean
-        variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
-        normalized = centered * tf.math.rsqrt(variance + self.epsilon)
+        normalized, _ = standardize(x, self.epsilon)
         return normalized * norm.gamma + norm.beta
-
-
-def _write_position(cache, update, start):
-    """`cache` (rows, heads, length, d_k) with `update` (rows, heads, 1, d_k) at `start`."""
-    return keras.ops.slice_update(cache, start, update)

@@ -60,6 +60,33 @@ def _masked_score(dtype) -> float:
     return float(tf.as_dtype(keras.backend.standardize_dtype(dtype)).min)
 
 
+def attend_one_query(query_heads, key_heads, value_heads, attention_mask=None):
+    """3.2.1 for one query position per row (a decoding step), by products and sums.
+
+    With oneDNN each BatchMatMul, Softmax and Transpose op costs tens of microseconds whatever
+    its size, which made them a third of a decoding step at serving batch sizes; elementwise
+    ops and reductions cost a few (a step 1.4x faster at 4 rows, as fast at 128). float32
+    only: the sums would accumulate in a 16-bit dtype.
+
+    Args:
+        query_heads: (rows, heads, 1, d_k).
+        key_heads, value_heads: (rows, heads, length, d_k).
+        attention_mask: optional bool, broadcastable to (rows, heads, length); True where
+            attention is allowed.
+
+    Returns:
+        (attended (rows, heads, d_k), weights (rows, heads, length)).
+    """
+    scale = 1.0 / math.sqrt(query_heads.shape[-1])
+    scores = tf.reduce_sum((query_heads * scale) * key_heads, axis=-1)
+    if attention_mask is not None:
+        scores = tf.where(attention_mask, scores, _masked_score(scores.dtype))
+    scores = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
+    weights = scores / tf.reduce_sum(scores, axis=-1, keepdims=True)
+    attended = tf.reduce_sum(weights[:, :, :, None] * value_heads, axis=2)
+    return attended, weights
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MultiHeadAttention(keras.layers.MultiHeadAttention):
     """Multi-head attention with the paper's head size and an explicit key/value cache.
@@ -189,23 +216,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return attended, weights
 
     def _attend_one_query(self, query_heads, key_heads, value_heads, attention_mask):
-        """`_attend` for one query position (a decoding step) by products and sums.
-
-        With oneDNN each BatchMatMul, Softmax and Transpose op costs tens of microseconds
-        whatever its size, which made them a third of a decoding step at serving batch sizes;
-        elementwise ops and reductions cost a few (a step 1.4x faster at 4 rows, as fast at
-        128). float32 only: the sums would accumulate in a 16-bit dtype.
-        """
-        scale = 1.0 / math.sqrt(self._key_dim)
-        scores = ops.sum((query_heads * scale) * key_heads, axis=-1)[:, :, None, :]
-        if attention_mask is not None:
-            scores = ops.where(ops.expand_dims(attention_mask, 1), scores,
-                               _masked_score(scores.dtype))
-        scores = ops.exp(scores - ops.max(scores, axis=-1, keepdims=True))
-        weights = scores / ops.sum(scores, axis=-1, keepdims=True)
-        attended = ops.sum(ops.expand_dims(weights[:, :, 0, :], -1) * value_heads, axis=2,
-                           keepdims=True)
-        return attended, weights
+        """`_attend` for one query position (a decoding step): `attend_one_query` with the
+        target-length axis of 1 kept."""
+        attended, weights = attend_one_query(query_heads, key_heads, value_heads,
+                                             attention_mask)
+        return attended[:, :, None, :], weights[:, :, None, :]
 
     def _project(self, inputs, *dense_layers):
         """Applies the head projections `dense_layers` to `inputs` in one 2-D matmul.
@@ -218,17 +233,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         Returns:
             one head-major (batch, num_heads, length, d_k) tensor per layer.
         """
-        kernel = ops.concatenate(
-            [ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
-             for layer in dense_layers], axis=-1,
-        )
+        kernel, bias = self.projection_weights(*dense_layers)
         shape = ops.shape(inputs)
         outputs = ops.matmul(ops.reshape(inputs, (-1, shape[-1])), kernel)
-        if self._use_bias:
-            outputs = outputs + ops.concatenate(
-                [ops.reshape(ops.cast(layer.bias, self.compute_dtype), (-1,))
-                 for layer in dense_layers], axis=-1,
-            )
+        if bias is not None:
+            outputs = outputs + bias
         head_dim = self.d_model // self.num_heads
         if _one_position(inputs, axis=1):  # no transpose needed (see `_attend_one_query`)
             outputs = ops.reshape(
@@ -239,6 +248,26 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         # One transpose for Q, K and V together: (projection, batch, heads, length, d_k).
         outputs = ops.transpose(outputs, (2, 0, 3, 1, 4))
         return ops.unstack(outputs, len(dense_layers), axis=0)
+
+    def projection_weights(self, *dense_layers):
+        """The kernels of projections (`_query_dense`, ...) side by side as one 2-D matrix.
+
+        Args:
+            *dense_layers: EinsumDense layers of this attention, kernels (d_model, heads, d_k)
+                (or (heads, d_k, d_model) for the output projection).
+
+        Returns:
+            (kernel (d_model, n * d_model), bias (n * d_model,) or None without biases), in
+            the compute dtype; one layer's are views of its variables, not copies.
+        """
+        kernels = [ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
+                   for layer in dense_layers]
+        biases = ([ops.reshape(ops.cast(layer.bias, self.compute_dtype), (-1,))
+                   for layer in dense_layers] if self._use_bias else None)
+        if len(dense_layers) == 1:
+            return kernels[0], None if biases is None else biases[0]
+        return (ops.concatenate(kernels, axis=-1),
+                None if biases is None else ops.concatenate(biases, axis=-1))
 
     def _merge_heads(self, heads):
         """The output projection: (batch, heads, length, d_k) -> (batch, length, d_model)."""

@@ -14,6 +14,26 @@ import keras
 import tensorflow as tf
 
 
+def standardize(x, epsilon: float):
+    """(x - mean(x)) / sqrt(var(x) + epsilon) over the last axis, and 1 / sqrt(var + epsilon).
+
+    The forward arithmetic of `layer_normalization` (before gamma and beta), shared with the
+    inference decoding step so that both compute the same values.
+
+    Args:
+        x: float32 (..., features).
+        epsilon: added to the variance.
+
+    Returns:
+        (normalized like `x`, inverse_std (..., 1)).
+    """
+    mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
+    inverse_std = tf.math.rsqrt(variance + epsilon)
+    return centered * inverse_std, inverse_std
+
+
 def layer_normalization(inputs, gamma, beta, epsilon: float):
     """Normalizes `inputs` over the last axis, then scales by `gamma` and shifts by `beta`.
 
@@ -32,12 +52,7 @@ def layer_normalization(inputs, gamma, beta, epsilon: float):
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
-        x32 = tf.cast(x, tf.float32)
-        mean = tf.reduce_mean(x32, axis=-1, keepdims=True)
-        centered = x32 - mean
-        variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
-        inverse_std = tf.math.rsqrt(variance + epsilon)
-        normalized = centered * inverse_std
+        normalized, inverse_std = standardize(tf.cast(x, tf.float32), epsilon)
         outputs = tf.cast(normalized * gamma + beta, x.dtype)
 
         def grad(upstream):
