@@ -77,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepared = prepare_corpus(
             split, args.out, vocab_size=data.vocab_size, max_length=data.max_length,
             tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
-            min_shards=args.shards, seed=args.seed)
+            min_shards=args.shards, seed=args.seed, subword_samples=data.subword_samples,
+            subword_alpha=data.subword_alpha)
     except ValueError as error:  # UsageError, CorpusError, PreparedError, a vocabulary too large
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -88,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     manifest = prepared.manifest
-    print(f"prepared {manifest['pairs_kept']:,} of {manifest['pairs_total']:,} pairs "
+    copies = manifest["settings"].get("subword_samples") or 1
+    print(f"prepared {manifest['pairs_kept'] // copies:,} of {manifest['pairs_total']:,} pairs "
+          + (f"x {copies} sampled segmentations " if copies > 1 else "") +
           f"({prepared.num_shards} shards, vocabulary {manifest['tokenizer_vocab_size']}) in "
           f"{manifest['seconds']:.0f} s: {prepared.directory}")
     return 0

@@ -55,7 +55,8 @@ from pipelines.corpora import CorpusScan, CorpusSplit, log_dropped, scan_corpus
 from pipelines.storage import StorageError
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
-__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "damaged_shard", "prepare_corpus"]
+__all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "damaged_shard", "prepare_corpus",
+           "sampling_settings"]
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
@@ -167,7 +168,7 @@ class PreparedCorpus:
 
     def check_settings(self, wanted: Mapping[str, Any]) -> None:
         """Raises :class:`PreparedError` naming every setting that differs from ``wanted``."""
-        recorded = self.settings
+        recorded = {**sampling_settings(0, 0.0), **self.settings}  # older manifests: no sampling
         differences = [f"{key}: prepared with {recorded.get(key)!r}, wanted {value!r}"
                        for key, value in wanted.items() if recorded.get(key) != value]
         if differences:
@@ -297,6 +298,13 @@ class PreparedCorpus:
         return found
 
 
+def sampling_settings(subword_samples: int, subword_alpha: float) -> dict[str, Any]:
+    """How a prepared directory's training pairs were segmented, as its manifest records
+    it: the alpha only matters (and is only compared) when there are sampled copies."""
+    return {"subword_samples": subword_samples,
+            "subword_alpha": subword_alpha if subword_samples else None}
+
+
 def damaged_shard(error: BaseException) -> PreparedError | None:
     """The one-line :class:`PreparedError` naming the shard file that failed the input
     pipeline's checks, if ``error`` (raised while iterating :meth:`PreparedCorpus.batches`,
@@ -316,6 +324,8 @@ def prepare_corpus(
     min_shards: int = 1,
     seed: int = 0,
     scan: CorpusScan | None = None,
+    subword_samples: int = 0,
+    subword_alpha: float = 0.1,
 ) -> PreparedCorpus:
     """Prepare a training split into ``directory`` (see the module docstring).
 
@@ -331,6 +341,11 @@ def prepare_corpus(
       seed: seeds the sample, SentencePiece and the assignment of pairs to shards.
       scan: the result of :func:`pipelines.corpora.scan_corpus` with the same
         ``tokenizer_sample`` and ``seed``, if the split was already validated.
+      subword_samples: subword regularization: 0 tokenizes each pair once, the
+        deterministic segmentation; K > 0 writes K copies of the split instead, each pair
+        segmented by seeded sampling (:func:`pipelines.shard_files.write_shards`), so that
+        one pass over the shards is K epochs, each with its own segmentation of every pair.
+      subword_alpha: the sampling's alpha (BPE-dropout's probability for a BPE model).
 
     Returns:
       The :class:`PreparedCorpus`.
@@ -364,7 +379,8 @@ def prepare_corpus(
     try:
         settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,
                     "vocab_size": vocab_size, "max_length": max_length,
-                    "tokenizer_sample": tokenizer_sample, "seed": seed}
+                    "tokenizer_sample": tokenizer_sample, "seed": seed,
+                    **sampling_settings(subword_samples, subword_alpha)}
         sample = scan.sample
         tokenizer = train_tokenizer(
             [*sample.sources, *sample.targets], staging / TOKENIZER_DIR, vocab_size=vocab_size,
@@ -374,8 +390,10 @@ def prepare_corpus(
                                                  f"{split.src_lang}-{split.tgt_lang}"})
         num_shards = max(min_shards, math.ceil(scan.pairs / shard_pairs))
         try:
-            shards, seen = shard_files.write_shards(split, tokenizer, staging, num_shards,
-                                                    max_length, seed, scan.pairs)
+            shards, seen = shard_files.write_shards(
+                split, tokenizer, staging, num_shards, max_length, seed, scan.pairs,
+                sampled_copies=subword_samples, sampling_alpha=subword_alpha)
+            num_shards = len(shards)
         except tf.errors.OpError as error:  # e.g. a CorpusError raised inside from_generator
             raise PreparedError(f"{split.origin} [{split.split}]: reading failed while "
                                 f"tokenizing: {error.message}") from None
@@ -388,7 +406,8 @@ def prepare_corpus(
                                 f"({scan.pairs} pairs validated, {seen} tokenized); prepare again")
         kept = sum(shard["pairs"] for shard in shards)
         log_dropped(f"{split.origin} [{split.split}] {split.src_lang}-{split.tgt_lang}", kept,
-                    scan.pairs, max_length, "positions (subword pieces + EOS)")
+                    scan.pairs * max(subword_samples, 1), max_length,
+                    "positions (subword pieces + EOS)")
         if kept == 0:
             raise ValueError(f"no pair of {split.origin} [{split.split}] fits max_length="
                              f"{max_length}; raise it")

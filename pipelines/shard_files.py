@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sentencepiece as spm
 import tensorflow as tf
 
 from pipelines import storage
@@ -107,21 +109,29 @@ def failed_check(error: BaseException) -> str | None:
 
 def write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, folder: Path,
                  num_shards: int, max_length: int, seed: int,
-                 expected_pairs: int) -> tuple[list[dict[str, Any]], int]:
+                 expected_pairs: int, *, sampled_copies: int = 0,
+                 sampling_alpha: float = 0.1) -> tuple[list[dict[str, Any]], int]:
     """The tokenizing pass: every kept pair appended to a seeded-random shard in ``folder``.
 
     Each file's CRC-32 is computed from the bytes as they are appended (not read back), so
     that a disk storing other bytes is caught by ``PreparedCorpus.verify``.
 
+    With ``sampled_copies`` K > 0 (subword regularization), the split is tokenized K times,
+    each time with a sampled segmentation (:func:`_sampled_batches`), copy ``c`` going to
+    shards ``c * num_shards`` to ``(c + 1) * num_shards - 1``: K x ``num_shards`` shards.
+
     Returns:
       The shards' manifest entries (files, sizes, checksums, pairs, pieces, length
-      histogram) and the number of pairs read (kept or not).
+      histogram) and the number of pairs read (kept or not) per copy.
 
     Raises:
       StorageError: a write failed because of the storage; its ``needed`` is the size of
         all shards, extrapolated from ``expected_pairs`` and the bytes made so far.
     """
     ids_dtype = file_dtype(id_dtype(tokenizer.vocab_size))
+    copies = max(sampled_copies, 1)
+    shards_per_copy, num_shards = num_shards, num_shards * copies
+    expected_pairs *= copies
     width = len(str(num_shards - 1))
     names = [f"shard-{i:0{max(width, 5)}d}-of-{num_shards:0{max(width, 5)}d}"
              for i in range(num_shards)]
@@ -144,12 +154,16 @@ def write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, folder: Path,
         buffered[shard] = 0
 
     seen = 0
-    for index, (values, splits, source_lengths, target_lengths) in enumerate(
-            _tokenized_batches(split, tokenizer)):
+    batches = (_tokenized_batches(split, tokenizer) if not sampled_copies else
+               itertools.chain.from_iterable(
+                   _sampled_batches(split, tokenizer.model_proto, sampling_alpha, [seed, copy])
+                   for copy in range(copies)))
+    for index, (copy, values, splits, source_lengths, target_lengths) in enumerate(batches):
         seen += len(source_lengths)
         positions = np.maximum(source_lengths, target_lengths) + 1
         keep = np.flatnonzero(positions <= max_length)
-        shard_of = np.random.default_rng([seed, index]).integers(num_shards, size=len(keep))
+        shard_of = copy * shards_per_copy + np.random.default_rng([seed, index]).integers(
+            shards_per_copy, size=len(keep))
         order = np.argsort(shard_of, kind="stable")
         rows, shard_of = keep[order], shard_of[order]
         # The kept pairs' ids, grouped by shard: one vectorised gather of ragged rows.
@@ -190,12 +204,12 @@ def write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, folder: Path,
             "pairs": int(pairs[shard]), "source_pieces": int(tokens[shard, 0]),
             "target_pieces": int(tokens[shard, 1]), "histogram": histograms[shard].tolist(),
         })
-    return shards, seen
+    return shards, seen // copies
 
 
 def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer) -> Iterator[tuple]:
-    """Numpy batches ``(ids, row splits, source lengths, target lengths)``: row ``i`` of
-    ``ids`` is pair ``i``'s source pieces followed by its target pieces."""
+    """Numpy batches ``(0, ids, row splits, source lengths, target lengths)`` (0: the copy):
+    row ``i`` of ``ids`` is pair ``i``'s source pieces followed by its target pieces."""
     dataset = tf.data.Dataset.from_generator(
         lambda: batched_pairs(split.pairs(), _ENCODE_BATCH),
         output_signature=(tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.string)))
@@ -203,7 +217,38 @@ def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer) -> Itera
     def encode(sources, targets):
         source, target = tokenizer.tokenize(sources), tokenizer.tokenize(targets)
         pairs = tf.concat([source, target], axis=1)
-        return pairs.values, pairs.row_splits, source.row_lengths(), target.row_lengths()
+        return 0, pairs.values, pairs.row_splits, source.row_lengths(), target.row_lengths()
 
     dataset = dataset.map(encode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     yield from dataset.prefetch(4).as_numpy_iterator()
+
+
+def _sampled_batches(split: CorpusSplit, model_proto: bytes, alpha: float,
+                     seed: list[int]) -> Iterator[tuple]:
+    """As :func:`_tokenized_batches`, for copy ``seed[1]``, each sentence segmented by
+    sampling: BPE-dropout with probability ``alpha`` for a BPE model (Provilkov et al.
+    2020), unigram sampling with smoothing ``alpha`` over all segmentations otherwise
+    (Kudo 2018).
+
+    Sampled here, in one thread of SentencePiece's own Python binding whose generator is
+    seeded, rather than in the input pipeline's graph (tensorflow-text's op takes no
+    seed): the copies, and so a run, are the same on every machine and every resume, and
+    the batches are planned from the copies' lengths like any prepared shard's. Sampling
+    runs at ~100k sentences/s a copy on one core (BENCHMARKS.md).
+    """
+    processor = spm.SentencePieceProcessor(model_proto=model_proto)
+    # SentencePiece's generator is process-wide: seeded per copy, used by one thread only.
+    spm.set_random_generator_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return processor.encode(texts, enable_sampling=True, alpha=alpha, nbest_size=-1,
+                                num_threads=1)
+
+    for sources, targets in batched_pairs(split.pairs(), _ENCODE_BATCH):
+        source, target = encode(sources), encode(targets)
+        source_lengths = np.fromiter(map(len, source), np.int64, len(source))
+        target_lengths = np.fromiter(map(len, target), np.int64, len(target))
+        values = np.fromiter(itertools.chain.from_iterable(
+            itertools.chain(s, t) for s, t in zip(source, target, strict=True)), np.int32)
+        splits = np.concatenate([[0], np.cumsum(source_lengths + target_lengths)])
+        yield seed[1], values, splits, source_lengths, target_lengths

@@ -58,6 +58,26 @@ def _setting(default: Any = dataclasses.MISSING, help: str = "", check: Callable
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def int_list(text: str) -> str | None:
+    """Checks a comma-separated list of positive ints (empty: none)."""
+    try:
+        if all(int(item) >= 1 for item in text.split(",") if text):
+            return None
+    except ValueError:
+        pass
+    return "must be comma-separated whole numbers >= 1, e.g. 4,6"
+
+
+def float_list(text: str) -> str | None:
+    """Checks a comma-separated list of non-negative numbers (empty: none)."""
+    try:
+        if all(float(item) >= 0 for item in text.split(",") if text):
+            return None
+    except ValueError:
+        pass
+    return "must be comma-separated numbers >= 0, e.g. 0.6,1.0,1.4"
+
+
 @dataclasses.dataclass
 class DataConfig:
     """The corpus and its one-time preparation (shared vocabulary and token shards, 5.1)."""
@@ -77,6 +97,16 @@ class DataConfig:
     tokenizer_sample: int = _setting(DEFAULT_TOKENIZER_SAMPLE, "pairs sampled (seeded) from "
                                      "the training split to train SentencePiece on", positive)
     shard_pairs: int = _setting(DEFAULT_SHARD_PAIRS, "pairs per prepared shard", positive)
+    subword_samples: int = _setting(
+        0, "subword regularization (Kudo 2018; BPE-dropout, Provilkov et al. 2020): prepare "
+        "this many copies of the training split, each pair tokenized with a different seeded "
+        "sampled segmentation in each copy, and train on them in turn (0: the one "
+        "deterministic segmentation, the paper's). Val, test and translation always use the "
+        "deterministic one", non_negative)
+    subword_alpha: float = _setting(
+        0.1, "with --subword-samples: for a BPE vocabulary the probability of dropping each "
+        "merge (BPE-dropout; 0.1 in its paper), for a unigram one the smoothing of the "
+        "sampling distribution (SentencePiece's alpha)", fraction)
     prepared: str | None = _setting(
         None, "prepared training data (tokenizer and token shards, from `python -m "
         "keras_transformer.prepare`, reusable by several runs); prepared there by the first "
@@ -105,7 +135,8 @@ class DataConfig:
 
 # The part of `DataConfig` that `python -m keras_transformer.prepare` takes.
 PREPARE_FIELDS = ("data", "src", "tgt", "data_dir", "manual_dir", "train_split", "vocab_size",
-                  "max_length", "tokenizer_sample", "shard_pairs")
+                  "max_length", "tokenizer_sample", "shard_pairs", "subword_samples",
+                  "subword_alpha")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,8 +290,19 @@ class EvaluationConfig:
     average_last: int = _setting(
         5, "average the last N checkpoints (paper: 5); model.keras gets the average, or the "
         "best checkpoint if that has the lower validation loss", positive)
-    beam: int = _setting(4, "beam size for test BLEU", positive)
-    alpha: float = _setting(0.6, "length penalty for test BLEU", non_negative)
+    beam: int = _setting(4, "beam size for test BLEU (and the export)", positive)
+    alpha: float = _setting(0.6, "length penalty for test BLEU (and the export)",
+                            non_negative)
+    choose_by: str = _setting(
+        "loss", "what chooses on the val split: 'loss' picks the final weights (averages and "
+        "the best checkpoint) by exact validation loss; 'bleu' picks them by val BLEU at "
+        "--beam/--alpha, then the beam and alpha for test and the export among "
+        "--val-beams x --val-alphas (a few val decodings: minutes on small data)",
+        choices=("loss", "bleu"))
+    val_beams: str = _setting("", "with --choose-by bleu: beam sizes tried on val, "
+                              "comma-separated (default: --beam)", check=int_list)
+    val_alphas: str = _setting("", "with --choose-by bleu: length penalties tried on val, "
+                               "comma-separated (default: --alpha)", check=float_list)
 
 
 @dataclasses.dataclass

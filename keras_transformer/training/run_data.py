@@ -15,7 +15,13 @@ from keras_transformer.cluster.workers import wait_for_all
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import TrainConfig
 from pipelines.corpora import CorpusError, load_corpus, open_corpus, scan_corpus
-from pipelines.prepared import MANIFEST_FILE, PreparedCorpus, PreparedError, prepare_corpus
+from pipelines.prepared import (
+    MANIFEST_FILE,
+    PreparedCorpus,
+    PreparedError,
+    prepare_corpus,
+    sampling_settings,
+)
 from pipelines.tokenizer import SubwordTokenizer
 
 # How long a non-chief worker waits for the chief to prepare the training data.
@@ -73,7 +79,9 @@ def check_prepared(config: TrainConfig, prepared) -> None:
     try:
         prepared.check_settings({"src_lang": config.data.src, "tgt_lang": config.data.tgt,
                                  "vocab_size": config.data.vocab_size,
-                                 "tokenizer_sample": config.data.tokenizer_sample})
+                                 "tokenizer_sample": config.data.tokenizer_sample,
+                                 **sampling_settings(config.data.subword_samples,
+                                                     config.data.subword_alpha)})
     except PreparedError as error:
         raise UsageError(str(error)) from None
     longest = prepared.settings["max_length"]
@@ -152,7 +160,8 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
             prepared = prepare_corpus(
                 train_split, directory, vocab_size=data.vocab_size, max_length=data.max_length,
                 tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
-                min_shards=cluster.num_workers, seed=config.optimization.seed, scan=scan)
+                min_shards=cluster.num_workers, seed=config.optimization.seed, scan=scan,
+                subword_samples=data.subword_samples, subword_alpha=data.subword_alpha)
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
     if cluster.is_multi_worker:
