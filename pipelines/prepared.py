@@ -299,8 +299,9 @@ class PreparedCorpus:
 
 
 def sampling_settings(subword_samples: int, subword_alpha: float) -> dict[str, Any]:
-    """How a prepared directory's training pairs were segmented, as its manifest records
-    it: the alpha only matters (and is only compared) when there are sampled copies."""
+    """How a prepared directory's training pairs were segmented, as
+    :meth:`PreparedCorpus.check_settings` compares it (a manifest records it only with
+    sampled copies): the alpha only matters when there are some."""
     return {"subword_samples": subword_samples,
             "subword_alpha": subword_alpha if subword_samples else None}
 
@@ -379,8 +380,9 @@ def prepare_corpus(
     try:
         settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,
                     "vocab_size": vocab_size, "max_length": max_length,
-                    "tokenizer_sample": tokenizer_sample, "seed": seed,
-                    **sampling_settings(subword_samples, subword_alpha)}
+                    "tokenizer_sample": tokenizer_sample, "seed": seed}
+        if subword_samples:  # recorded only then: manifests without sampling are unchanged
+            settings.update(sampling_settings(subword_samples, subword_alpha))
         sample = scan.sample
         tokenizer = train_tokenizer(
             [*sample.sources, *sample.targets], staging / TOKENIZER_DIR, vocab_size=vocab_size,
