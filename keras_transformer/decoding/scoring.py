@@ -20,7 +20,8 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
 
     Returns:
         {"bleu": float, "chrf": float, "bleu_signature": str, "chrf_signature": str,
-         "bleu_details": str (n-gram precisions, brevity penalty), "sentences": int}
+         "bleu_details": str (n-gram precisions, brevity penalty), "bleu_bp": float (the
+         brevity penalty, 1.0 unless the hypotheses are shorter), "sentences": int}
 
     Raises:
         ValueError: if the lists differ in length or are empty.
@@ -38,6 +39,7 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
         "bleu_details": str(bleu_score),
+        "bleu_bp": float(bleu_score.bp),
         "sentences": len(hypotheses),
     }
 

@@ -5,7 +5,8 @@ keras_transformer.train` does (OpenNMT-tf's `Runner`; the command only parses it
 corpus -> prepared data (shared subword vocabulary and token shards, made once:
 `pipelines.prepared`) -> token-budget batches -> `model.fit` under a tf.distribute strategy
 (periodic/best checkpoints, resumable backup, TensorBoard: `keras_transformer.training.fit`) ->
-checkpoint averaging chosen on val (6.1, `keras_transformer.training.final_weights`) ->
+checkpoint averaging chosen on val (6.1, `keras_transformer.training.final_weights`; with
+`--choose-by bleu` also the beam and alpha, `keras_transformer.training.val_choice`) ->
 BLEU/chrF on the test split -> SavedModel export -> results.json.
 
 Every setting and the corpus are checked before the run directory is created, so a bad
@@ -39,9 +40,19 @@ from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.serving.saved_model import export_saved_model
 from keras_transformer.training import backup, run_data
-from keras_transformer.training.config import DEFAULT_MAX_STEPS, StepBudget, TrainConfig
+from keras_transformer.training.config import (
+    DEFAULT_MAX_STEPS,
+    EvaluationConfig,
+    StepBudget,
+    TrainConfig,
+)
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
+from keras_transformer.training.val_choice import (
+    choose_on_val_bleu,
+    decoding_grid,
+    describe_decoding,
+)
 from pipelines import storage
 from pipelines.batching import make_batches
 from pipelines.tokenizer import SubwordTokenizer
@@ -235,14 +246,28 @@ def describe_plan(config: TrainConfig, model_config, corpora: dict[str, Any],
             + f", warmup {optimization.warmup_steps}, lr scale {optimization.lr_scale:g}, "
             f"label smoothing {optimization.label_smoothing:g}\n"
             f"  checkpoints    every {config.output.checkpoint_every} steps, the last "
-            f"{evaluation.average_last} averaged; test BLEU with beam {evaluation.beam}, alpha "
-            f"{evaluation.alpha:g}")
+            f"{evaluation.average_last} averaged; "
+            + (f"test BLEU with beam {evaluation.beam}, alpha {evaluation.alpha:g}"
+               if evaluation.choose_by == "loss" else _describe_bleu_choice(evaluation)))
+
+
+def _describe_bleu_choice(evaluation: EvaluationConfig) -> str:
+    """The dry run's words for `--choose-by bleu`."""
+    beams, alphas = decoding_grid(evaluation.beam, evaluation.alpha, evaluation.val_beams,
+                                  evaluation.val_alphas)
+    return (f"final weights chosen by val BLEU (beam {evaluation.beam}, alpha "
+            f"{evaluation.alpha:g}), then test's beam and alpha among beams "
+            f"{', '.join(map(str, beams))} x alphas {', '.join(f'{a:g}' for a in alphas)}")
 
 
 def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, Any],
                outcome: dict[str, Any]) -> dict[str, Any]:
     """Writes model.keras (the weights chosen on val), scores the test split, exports the
     SavedModel, writes results.json and logs a summary; returns the results.
+
+    `--choose-by loss` chooses the weights by exact val loss and decodes with --beam/--alpha;
+    `--choose-by bleu` chooses the weights by val BLEU, then the beam and alpha of test and
+    the export on val too (results.json's "decoding"). Nothing is chosen on test.
 
     Args:
         config: the run's settings.
@@ -261,9 +286,22 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                                tokens_per_batch=config.batches.tokens_per_batch,
                                max_length=config.data.max_length, shuffle=False)
     smoothing = config.optimization.label_smoothing
-    choice = choose_final_weights(
-        model, run / run_directory.CHECKPOINT_DIR, outcome["best_step"], evaluation.average_last,
-        lambda candidate: validation_loss(candidate, val_batches, smoothing))
+
+    def val_loss(candidate) -> float:
+        return validation_loss(candidate, val_batches, smoothing)
+
+    checkpoints = run / run_directory.CHECKPOINT_DIR
+    if evaluation.choose_by == "bleu":
+        choice, decoding = choose_on_val_bleu(model, tokenizer, corpora["val"], checkpoints,
+                                              outcome["best_step"], evaluation)
+        # One pass, so that final_val_loss compares with that of runs chosen by loss.
+        final_val_loss = val_loss(model)
+        beam, alpha = decoding["beam"], decoding["alpha"]
+    else:
+        choice = choose_final_weights(model, checkpoints, outcome["best_step"],
+                                      evaluation.average_last, val_loss)
+        final_val_loss, decoding = choice["val_loss"], None
+        beam, alpha = evaluation.beam, evaluation.alpha
     with storage.replacing(run / run_directory.MODEL_FILE) as temporary:
         model.save(temporary)
     results: dict[str, Any] = {
@@ -272,8 +310,9 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         "tokens_per_sec": round(outcome["tokens_per_sec"], 1),
         "best_val_loss": outcome["best_val_loss"], "best_step": outcome["best_step"],
         "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
-        "final_val_loss": choice["val_loss"],
+        "final_val_loss": final_val_loss,
         "averaging": {key: choice[key] for key in ("reason", "candidates")},
+        **({"decoding": decoding} if decoding else {}),
         **{key: outcome[key] for key in ("precision", "loss_scale", "skipped_updates",
                                          "replicas", "workers", "jit_compile",
                                          "fused_kernels")},
@@ -282,21 +321,19 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     if test is not None:
         limit = config.data.test_limit or len(test)
         sources, references = test.sources[:limit], test.targets[:limit]
-        _LOG.info(f"translating {len(sources)} {test.split} sentences (beam {evaluation.beam}) "
-                  "...")
-        hypotheses = translate_texts(model, tokenizer, sources, beam_size=evaluation.beam,
-                                     alpha=evaluation.alpha)
+        _LOG.info(f"translating {len(sources)} {test.split} sentences (beam {beam}) ...")
+        hypotheses = translate_texts(model, tokenizer, sources, beam_size=beam, alpha=alpha)
         scores = score_translations(hypotheses, references)
+        del scores["bleu_bp"]  # bleu_details has it ("BP = ...")
         storage.write_text(run / "test.hyp.txt", "".join(line + "\n" for line in hypotheses))
         results.update(scores, test_split=test.split, test_sentences=len(sources),
-                       beam=evaluation.beam, alpha=evaluation.alpha)
+                       beam=beam, alpha=alpha)
     results["export"] = None
     if not config.output.no_export:
         base = (Path(config.output.export_dir) if config.output.export_dir
                 else Path("saved_models") / Path(config.output.out).name)
-        results["export"] = str(export_saved_model(model, tokenizer, base,
-                                                   beam_size=evaluation.beam,
-                                                   alpha=evaluation.alpha))
+        results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=beam,
+                                                   alpha=alpha))
     results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
     storage.write_json(run / run_directory.RESULTS_FILE, results)
     summarize(run, results)
@@ -320,6 +357,8 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
         _LOG.info(f"validation loss (Keras metric, batch means averaged): best "
             f"{results['best_val_loss']:.4f} at step {results['best_step']}")
     _LOG.info(f"model.keras holds {results['averaging']['reason']}")
+    if results.get("decoding"):
+        _LOG.info(f"decoding: {describe_decoding(results['decoding'])}")
     if results.get("bleu") is not None:
         _LOG.info(f"test {results['test_split']} ({results['test_sentences']} sentences, beam "
             f"{results['beam']}): BLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}\n"
