@@ -157,6 +157,13 @@ class PreparedCorpus:
         """Pairs kept (those within max_length)."""
         return int(self.manifest["pairs_kept"])
 
+    def describe_pairs(self) -> str:
+        """E.g. "29,000 pairs", or "580,000 pairs (29,000 in 20 sampled segmentations)"."""
+        copies = int(self.settings.get("subword_samples") or 1)
+        return f"{self.pairs:,} pairs" + (
+            f" ({self.pairs // copies:,} in {copies} sampled segmentations)" if copies > 1
+            else "")
+
     @property
     def num_shards(self) -> int:
         """Number of shard files (pairs of .ids/.lengths)."""

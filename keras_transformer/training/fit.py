@@ -177,7 +177,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     limit = f"{max_steps:,} steps" + (f" or {optimization.max_minutes:g} min"
                                       if optimization.max_minutes else "")
     _LOG.info(f"training {model.count_params():,} parameters ({config.model.preset} preset, "
-              f"vocabulary {tokenizer.vocab_size}) on {prepared.pairs:,} pairs: "
+              f"vocabulary {tokenizer.vocab_size}) on {prepared.describe_pairs()}: "
               f"{budget.describe()}; "
               f"{precision}, XLA {'on' if jit else 'off'}; " + (
                   f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")

@@ -227,7 +227,7 @@ def describe_plan(config: TrainConfig, model_config, corpora: dict[str, Any],
                        for role in ("val", "test") if (corpus := corpora.get(role)) is not None)
     data, optimization, evaluation = config.data, config.optimization, config.evaluation
     where = run_data.prepared_dir(config)
-    prepared_text = (f"found, {prepared.pairs:,} pairs in {prepared.num_shards} shard(s)"
+    prepared_text = (f"found, {prepared.describe_pairs()} in {prepared.num_shards} shard(s)"
                      if prepared else f"prepared once from split {data.train_split!r} "
                      f"(vocabulary {data.vocab_size}, max length {data.max_length})")
     model = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(model_config).items())

@@ -49,6 +49,7 @@ def test_each_copy_is_the_corpus_in_another_segmentation(sampled, split, small_c
     assert manifest["settings"]["subword_samples"] == COPIES
     assert manifest["settings"]["subword_alpha"] == 0.3
     assert manifest["pairs_total"] == PAIRS and sampled.pairs == COPIES * PAIRS
+    assert sampled.describe_pairs() == "600 pairs (200 in 3 sampled segmentations)"
 
     tokenizer = sampled.tokenizer()
     expected = collections.Counter(zip(small_corpus.sources[:PAIRS],
