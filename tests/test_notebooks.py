@@ -37,6 +37,7 @@ STRATEGY_STEPS = 2
 RUN_STEPS = 20
 RUN_CHECKPOINT_EVERY = 10
 RUN_AVERAGE_LAST = 2
+RUN_CHOOSE_BY = "loss"    # by val BLEU, a 20-step model would decode all of val 9 times
 VERBOSE = 2
 """
 

@@ -162,6 +162,7 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
     command = [sys.executable, "-m", "keras_transformer.train", "--recipe", "multi30k",
                "--data", str(data), *TINY, "--max-steps", "30", "--checkpoint-every", "10",
                "--validate-every", "10", "--average-last", "2", "--beam", "2",
+               "--val-beams", "1,2", "--val-alphas", "0.6,1.0", "--subword-samples", "3",
                "--export-dir", str(export), "--out", str(out)]
     result = subprocess.run(command, cwd=REPO, env=cli_env(), capture_output=True, text=True,
                             timeout=300)
@@ -188,14 +189,27 @@ def test_tiny_end_to_end_run_writes_model_results_and_export(tmp_path):
         assert (out / name).exists(), name
     assert [step for step, _ in list_generations(out / "backup")] == [30, 20]
     assert "BLEU" in result.stdout and str(out / "model.keras") in result.stdout
+    # The recipe's training pairs: the toy corpus in 3 (here) sampled segmentations.
+    manifest = json.loads((out / "prepared" / "manifest.json").read_text())
+    assert manifest["settings"]["subword_samples"] == 3
+    # One shard per copy, each the corpus less the pairs its segmentation made too long.
+    assert [0 < shard["pairs"] <= manifest["pairs_total"] for shard in manifest["shards"]] == [
+        True] * 3
     # model.keras holds the candidate (the last 2 averaged, those up to / around the best
-    # step, the best checkpoint) with the lowest validation loss, and says why.
+    # step, the best checkpoint) with the highest val BLEU (the recipe's --choose-by bleu),
+    # and says why; then the beam and alpha of test and the export were chosen on val.
     candidates = {c["name"]: c for c in results["averaging"]["candidates"]}
     assert candidates["last"]["steps"] == [20, 30]
-    assert results["final_val_loss"] == min(c["val_loss"] for c in candidates.values())
+    assert candidates[results["final_weights"]]["val_bleu"] == max(
+        c["val_bleu"] for c in candidates.values())
     chosen_steps = candidates[results["final_weights"]]["steps"]
     assert results["averaged_steps"] == chosen_steps
-    assert "validation loss" in results["averaging"]["reason"]
+    assert "val BLEU" in results["averaging"]["reason"]
+    decoding = results["decoding"]
+    assert [(t["beam"], t["alpha"]) for t in decoding["tried"]] == [
+        (1, 0.6), (1, 1.0), (2, 0.6), (2, 1.0)]
+    assert decoding["val_bleu"] == max(t["val_bleu"] for t in decoding["tried"])
+    assert (results["beam"], results["alpha"]) == (decoding["beam"], decoding["alpha"])
     saved, chosen = load_run(out)[0], load_run(out)[0]
     if results["final_weights"] == "best checkpoint":
         chosen.load_weights(out / "checkpoints" / "best.weights.h5")
