@@ -40,6 +40,7 @@ __all__ = [
     "load_corpus",
     "open_corpus",
     "scan_corpus",
+    "source_languages",
 ]
 
 _LOG = logging.getLogger("pipelines")
@@ -87,7 +88,9 @@ class CorpusSplit:
     """One split of a parallel corpus, resolved but not read: :meth:`pairs` streams it.
 
     Made by :func:`open_corpus`. ``files`` holds the source and target file of a local
-    split; ``tfds`` the tensorflow-datasets reader of a tfds split.
+    split; ``tfds`` the tensorflow-datasets reader of a tfds split; ``parts`` the splits of
+    each source language of a many-to-one split (``src_lang`` ``"de,fr,cs"``), read one
+    after the other.
     """
 
     origin: str
@@ -96,6 +99,7 @@ class CorpusSplit:
     tgt_lang: str
     files: tuple[Path, Path] | None = None
     tfds: tfds_corpora.TfdsSplit | None = None
+    parts: tuple[CorpusSplit, ...] = ()
 
     def pairs(self) -> Iterator[tuple[str, str]]:
         """Validated ``(source, target)`` pairs in corpus order, streamed.
@@ -104,7 +108,10 @@ class CorpusSplit:
         skipped (and counted in a warning). Raises :class:`CorpusError` while iterating,
         at the first problem.
         """
-        if self.files is not None:
+        if self.parts:
+            for part in self.parts:
+                yield from part.pairs()
+        elif self.files is not None:
             paths = dict(zip((self.src_lang, self.tgt_lang), self.files, strict=True))
             columns = {lang: iter_text_lines(path) for lang, path in paths.items()}
             names = {lang: str(path) for lang, path in paths.items()}
@@ -133,6 +140,10 @@ class CorpusSplit:
         """
         base = {"origin": self.origin, "split": self.split, "src_lang": self.src_lang,
                 "tgt_lang": self.tgt_lang}
+        if self.parts:
+            parts = [part.identity() for part in self.parts]
+            return {**base, "parts": parts,
+                    "files": [file for part in parts for file in part.get("files", [])]}
         if self.files is not None:
             stats = [path.stat() for path in self.files]
             return {**base, "files": [
@@ -177,7 +188,11 @@ def open_corpus(
       split: split name. Exact names always work; ``"val"``/``"validation"`` and
         ``"test"`` (-> ``test_2016_flickr`` for Multi30k) are aliases of each other.
         tfds slicing such as ``"train[:10%]"`` is passed to tfds as is.
-      src_lang, tgt_lang: language codes, e.g. ``"de"`` and ``"en"``.
+      src_lang, tgt_lang: language codes, e.g. ``"de"`` and ``"en"``. Several source
+        languages, comma-separated (``"de,fr,cs"``), make one many-to-one split: the
+        pairs of each source language with the same target, one language after the other
+        (Johnson et al. 2017; Multi30k has the same English captions in German, French and
+        Czech).
       data_dir: tfds data directory (where prepared datasets live); tfds only.
       manual_dir: folder with manually downloaded files, for tfds builders that accept
         one; for ``tfds:multi30k`` a folder of the release files avoids the download.
@@ -187,6 +202,14 @@ def open_corpus(
         that cannot be prepared.
     """
     data = os.fspath(data)
+    if "," in src_lang:
+        languages = source_languages(src_lang)
+        if len(set(languages)) < len(languages) or "" in languages:
+            raise CorpusError(f"{data}: source languages {src_lang!r}: each one once, "
+                              "comma-separated, e.g. de,fr,cs")
+        parts = tuple(open_corpus(data, split, language, tgt_lang, data_dir=data_dir,
+                                  manual_dir=manual_dir) for language in languages)
+        return CorpusSplit(parts[0].origin, parts[0].split, src_lang, tgt_lang, parts=parts)
     if src_lang == tgt_lang:
         raise CorpusError(f"{data}: source and target language are both {src_lang!r}")
     if data.startswith(TFDS_PREFIX):
@@ -212,6 +235,11 @@ def open_corpus(
             )
     return CorpusSplit(str(folder), name, src_lang, tgt_lang,
                        files=(langs[src_lang], langs[tgt_lang]))
+
+
+def source_languages(src_lang: str) -> list[str]:
+    """The source languages of ``src_lang``: ``"de,fr,cs"`` -> ``["de", "fr", "cs"]``."""
+    return [language.strip() for language in src_lang.split(",")]
 
 
 def load_corpus(

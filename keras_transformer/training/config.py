@@ -83,7 +83,9 @@ class DataConfig:
     """The corpus and its one-time preparation (shared vocabulary and token shards, 5.1)."""
 
     data: str = _setting(help="folder of {split}.{lang}[.gz] files, or tfds:NAME[/CONFIG]")
-    src: str = _setting(help="source language code, e.g. de")
+    src: str = _setting(help="source language code, e.g. de; several, comma-separated (de,fr,cs), "
+                        "train one many-to-one model on all of them with the same target "
+                        "(the first is validated on and gives the headline test score)")
     tgt: str = _setting(help="target language code, e.g. en")
     data_dir: str | None = _setting(None, "tensorflow-datasets data_dir (tfds: data only)")
     manual_dir: str | None = _setting(
@@ -123,8 +125,12 @@ class DataConfig:
         Raises:
             UsageError: with a message saying what to change.
         """
-        if self.src == self.tgt:
-            raise UsageError(f"--src and --tgt are both {self.src!r}")
+        languages = [language.strip() for language in self.src.split(",")]
+        if self.tgt in languages:
+            raise UsageError(f"--src {self.src} includes the target language {self.tgt!r}")
+        if "" in languages or len(set(languages)) < len(languages):
+            raise UsageError(f"--src {self.src!r}: give each source language once, "
+                             "comma-separated, e.g. de,fr,cs")
         if self.vocab_size < 300:
             raise UsageError("--vocab-size must be >= 300 (4 special ids + 256 byte pieces + "
                              "words)")

@@ -317,17 +317,26 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                                          "replicas", "workers", "jit_compile",
                                          "fused_kernels")},
     }
-    test = corpora.get("test")
-    if test is not None:
+    # The test split of the (first) source language, then of the others of a many-to-one run.
+    tests = [(role, corpus) for role, corpus in corpora.items()
+             if role == "test" or role.startswith("test:")]
+    for role, test in tests:
         limit = config.data.test_limit or len(test)
         sources, references = test.sources[:limit], test.targets[:limit]
-        _LOG.info(f"translating {len(sources)} {test.split} sentences (beam {beam}) ...")
+        _LOG.info(f"translating {len(sources)} {test.split} {test.src_lang} sentences (beam "
+                  f"{beam}) ...")
         hypotheses = translate_texts(model, tokenizer, sources, beam_size=beam, alpha=alpha)
         scores = score_translations(hypotheses, references)
         del scores["bleu_bp"]  # bleu_details has it ("BP = ...")
-        storage.write_text(run / "test.hyp.txt", "".join(line + "\n" for line in hypotheses))
-        results.update(scores, test_split=test.split, test_sentences=len(sources),
-                       beam=beam, alpha=alpha)
+        suffix = "" if role == "test" else f".{test.src_lang}"
+        storage.write_text(run / f"test{suffix}.hyp.txt",
+                           "".join(line + "\n" for line in hypotheses))
+        if len(tests) > 1:
+            results.setdefault("test_by_source", {})[test.src_lang] = {
+                key: scores[key] for key in ("bleu", "chrf", "bleu_details")}
+        if role == "test":
+            results.update(scores, test_split=test.split, test_sentences=len(sources),
+                           beam=beam, alpha=alpha)
     results["export"] = None
     if not config.output.no_export:
         base = (Path(config.output.export_dir) if config.output.export_dir
@@ -363,6 +372,8 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
         _LOG.info(f"test {results['test_split']} ({results['test_sentences']} sentences, beam "
             f"{results['beam']}): BLEU {results['bleu']:.2f}  chrF {results['chrf']:.2f}\n"
             f"  {results['bleu_signature']}")
+    for language, scores in results.get("test_by_source", {}).items():
+        _LOG.info(f"  from {language}: BLEU {scores['bleu']:.2f}  chrF {scores['chrf']:.2f}")
     for label, path in (("run directory", run), ("model", run / run_directory.MODEL_FILE),
                         ("results", run / run_directory.RESULTS_FILE),
                         ("translations", run / "test.hyp.txt"),

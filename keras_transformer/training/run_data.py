@@ -14,7 +14,13 @@ from keras_transformer import run_directory
 from keras_transformer.cluster.workers import wait_for_all
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import TrainConfig
-from pipelines.corpora import CorpusError, load_corpus, open_corpus, scan_corpus
+from pipelines.corpora import (
+    CorpusError,
+    load_corpus,
+    open_corpus,
+    scan_corpus,
+    source_languages,
+)
 from pipelines.prepared import (
     MANIFEST_FILE,
     PreparedCorpus,
@@ -34,7 +40,8 @@ if TYPE_CHECKING:
 
 
 def load_corpora(config: TrainConfig) -> dict[str, Any]:
-    """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects.
+    """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects; with
+    several source languages, also "test:<language>" for each one after the first.
 
     `CorpusError` becomes `UsageError`, except for a train split that is absent where the
     data were prepared elsewhere (--prepared): its `UsageError` is kept as "train_error",
@@ -49,14 +56,18 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
         if not data.prepared:
             raise UsageError(f"train data: {error}") from None
         corpora["train_error"] = UsageError(f"train data: {error}")
-    splits = {"val": data.val_split}
+    # Several source languages (--src de,fr,cs): the first one is validated on and gives
+    # the headline test score; every one is scored on test ("test_by_source").
+    first, *others = source_languages(data.src)
+    roles = [("val", data.val_split, first)]
     if data.test_split.lower() != "none":
-        splits["test"] = data.test_split
-    for role, split in splits.items():
+        roles += [("test", data.test_split, first)] + [
+            (f"test:{language}", data.test_split, language) for language in others]
+    for role, split, language in roles:
         try:
-            corpora[role] = load_corpus(data.data, split, data.src, data.tgt, **where)
+            corpora[role] = load_corpus(data.data, split, language, data.tgt, **where)
         except CorpusError as error:
-            raise UsageError(f"{role} data: {error}") from None
+            raise UsageError(f"{role.split(':')[0]} data: {error}") from None
     return corpora
 
 

@@ -80,6 +80,8 @@ def test_help_documents_every_flag():
     [
         (["--data", "{missing}"], "does not exist"),
         (["--src", "fr"], "fr"),
+        (["--src", "xx,yy"], "includes the target language 'yy'"),
+        (["--src", "xx,xx"], "give each source language once"),
         (["--d-model", "30", "--num-heads", "4"], "divisible"),
         (["--tokens-per-batch", "16"], "--max-length 32: a longest pair would not fit in a "
          "micro-batch; the smallest valid value is 32"),

@@ -14,6 +14,7 @@ from pipelines.corpora import (
     available_splits,
     corpus_fingerprint,
     load_corpus,
+    open_corpus,
 )
 from pipelines.multi30k_tfds import LANGUAGES
 
@@ -297,3 +298,25 @@ def test_generic_tfds_empty_side_and_bad_utf8_name_the_example(tmp_path):
     with tfds.testing.mock_data(as_dataset_fn=fake_ted(invalid)):
         with pytest.raises(CorpusError, match=r"'pt': example 1: invalid UTF-8"):
             load_corpus(name, "train", "pt", "en", data_dir=str(tmp_path))
+
+
+def test_several_source_languages_make_one_many_to_one_split(tmp_path):
+    root = write_multi30k(tmp_path / "multi30k")
+    split = open_corpus(root, "train", "de,fr,cs", "en")
+    assert (split.src_lang, [part.src_lang for part in split.parts]) == (
+        "de,fr,cs", ["de", "fr", "cs"])
+    # Each language's pairs with the same targets, one language after the other.
+    assert list(split.pairs()) == [(f"train {lang} Satz {i} ü", f"train en Satz {i} ü")
+                                   for lang in ("de", "fr", "cs") for i in range(3)]
+    files = [Path(file["path"]).name for file in split.identity()["files"]]
+    assert files == ["train.de.gz", "train.en.gz", "train.fr.gz", "train.en.gz",
+                     "train.cs.gz", "train.en.gz"]
+    val = load_corpus(root, "val", "fr,de", "en")
+    assert (len(val), val.src_lang, val.sources[0], val.sources[3]) == (
+        6, "fr,de", "val fr Satz 0 ü", "val de Satz 0 ü")
+    with pytest.raises(CorpusError, match="both 'en'"):
+        open_corpus(root, "train", "de,en", "en")
+    with pytest.raises(CorpusError, match="each one once"):
+        open_corpus(root, "train", "de,de", "en")
+    with pytest.raises(CorpusError, match=r"train\.xx"):
+        open_corpus(root, "train", "de,xx", "en")

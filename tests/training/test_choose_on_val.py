@@ -124,11 +124,13 @@ def test_finish_run_choosing_by_bleu_decodes_test_with_the_setting_chosen_on_val
     short = [i for i, s in enumerate(small_corpus.sources) if len(s.split()) <= 4][:10]
     pairs = [(small_corpus.sources[i], small_corpus.targets[i]) for i in short]
 
-    def corpus(split, chosen):
-        return ParallelCorpus([s for s, _ in chosen], [t for _, t in chosen], "de", "en",
+    def corpus(split, chosen, language="de"):
+        return ParallelCorpus([s for s, _ in chosen], [t for _, t in chosen], language, "en",
                               split, "synthetic")
 
-    corpora = {"val": corpus("val", pairs[:6]), "test": corpus("test", pairs[6:])}
+    # A many-to-one run's corpora (--src de,fr): test of the first language, then the other.
+    corpora = {"val": corpus("val", pairs[:6]), "test": corpus("test", pairs[6:]),
+               "test:fr": corpus("test", pairs[7:], "fr")}
     config = train_config(data=str(tmp_path), src="de", tgt="en", out=str(run),
                           average_last=2, beam=2, alpha=0.6, choose_by="bleu",
                           val_beams="2,1", val_alphas="0.6,1.0", no_export=True)
@@ -155,6 +157,11 @@ def test_finish_run_choosing_by_bleu_decodes_test_with_the_setting_chosen_on_val
         first_best["beam"], first_best["alpha"], best)
     assert (results["beam"], results["alpha"]) == (decoding["beam"], decoding["alpha"])
     assert results["test_sentences"] == 4 and "bleu_bp" not in results
+    # Every source language's test score; the headline one is the first language's.
+    by_source = results["test_by_source"]
+    assert list(by_source) == ["de", "fr"] and by_source["de"]["bleu"] == results["bleu"]
+    assert len((run / "test.fr.hyp.txt").read_text().splitlines()) == 3
+    assert len((run / "test.hyp.txt").read_text().splitlines()) == 4
     # One decoding per candidate, then the two settings not decoded yet: greedy (once for
     # both alphas) and beam 2 with alpha 1.0; beam 2 with alpha 0.6 is the winner's, reused.
     assert caplog.text.count("(already decoded)") == 2
