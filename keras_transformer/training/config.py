@@ -126,6 +126,8 @@ class DataConfig:
             UsageError: with a message saying what to change.
         """
         languages = [language.strip() for language in self.src.split(",")]
+        if self.src == self.tgt:
+            raise UsageError(f"--src and --tgt are both {self.src!r}")
         if self.tgt in languages:
             raise UsageError(f"--src {self.src} includes the target language {self.tgt!r}")
         if "" in languages or len(set(languages)) < len(languages):
