@@ -58,24 +58,25 @@ def _setting(default: Any = dataclasses.MISSING, help: str = "", check: Callable
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def int_list(text: str) -> str | None:
-    """Checks a comma-separated list of positive ints (empty: none)."""
-    try:
-        if all(int(item) >= 1 for item in text.split(",") if text):
-            return None
-    except ValueError:
-        pass
-    return "must be comma-separated whole numbers >= 1, e.g. 4,6"
+def comma_separated(text: str, kind: type) -> list:
+    """``"4,6"`` -> ``[4, 6]`` (``""`` -> ``[]``); ValueError for an item that is no `kind`."""
+    return [kind(item) for item in text.split(",")] if text else []
 
 
-def float_list(text: str) -> str | None:
-    """Checks a comma-separated list of non-negative numbers (empty: none)."""
-    try:
-        if all(float(item) >= 0 for item in text.split(",") if text):
-            return None
-    except ValueError:
-        pass
-    return "must be comma-separated numbers >= 0, e.g. 0.6,1.0,1.4"
+def _each(kind: type, check: Callable, description: str) -> Callable[[str], str | None]:
+    """The check of a comma-separated list whose every item passes `check`."""
+    def check_list(text: str) -> str | None:
+        try:
+            if not any(check(value) for value in comma_separated(text, kind)):
+                return None
+        except ValueError:
+            pass
+        return f"must be comma-separated {description}"
+    return check_list
+
+
+int_list = _each(int, positive, "whole numbers >= 1, e.g. 4,6")
+float_list = _each(float, non_negative, "numbers >= 0, e.g. 0.6,1.0,1.4")
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import keras
 
 from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.translator import translate_texts
-from keras_transformer.training.config import EvaluationConfig
+from keras_transformer.training.config import EvaluationConfig, comma_separated
 from keras_transformer.training.final_weights import by_val_bleu, choose_final_weights
 
 _LOG = logging.getLogger("keras_transformer")
@@ -40,9 +40,8 @@ def decoding_grid(beam: int, alpha: float, val_beams: str, val_alphas: str
         (beams, alphas) without repeats: the beams smallest first (a tie goes to the cheaper
         decoding), the alphas in the order given.
     """
-    beams = sorted({int(item) for item in val_beams.split(",")}) if val_beams else [beam]
-    alphas = list(dict.fromkeys(float(item) for item in val_alphas.split(","))) if val_alphas \
-        else [alpha]
+    beams = sorted(set(comma_separated(val_beams, int))) or [beam]
+    alphas = list(dict.fromkeys(comma_separated(val_alphas, float))) or [alpha]
     return beams, alphas
 
 
