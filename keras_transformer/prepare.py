@@ -30,6 +30,7 @@ from keras_transformer.flags import (
     given_flags,
     positive_int,
 )
+from keras_transformer.logs import show_project_logs
 from keras_transformer.training.config import PREPARE_FIELDS, DataConfig, data_config
 
 
@@ -65,7 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[DataConfig, argparse.
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns the exit status (see the module docstring)."""
     data, args = parse_args(argv)
-    from keras_transformer.logs import show_project_logs
+    # Imported after parsing: they load TensorFlow (~4 s), which `--help` and a refused flag
+    # should not wait for.
     from pipelines.corpora import open_corpus
     from pipelines.prepared import prepare_corpus
 

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from keras_transformer.decoding.attention_plots import plot_attention
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import ModelError, load_translator
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
@@ -92,8 +93,6 @@ def _translate(argv: Sequence[str] | None) -> int:
         sys.stdout.buffer.write(text.encode("utf-8"))
         sys.stdout.flush()
     if args.plot_attention:
-        from keras_transformer.decoding.attention_plots import plot_attention
-
         try:
             for number, line in enumerate(lines, start=1):
                 plot_attention(translator.model, translator.tokenizer, line,
