@@ -31,6 +31,7 @@ from keras_transformer.errors import UsageError
 from keras_transformer.model.config import TransformerConfig, transformer_config
 from keras_transformer.training.precision import JIT_CHOICES, PRECISIONS
 from keras_transformer.training.recipes import RECIPES
+from keras_transformer.training.step_budget import StepBudget
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
 
 DEFAULT_MAX_STEPS = 100_000  # paper, base model; normally --max-minutes or --epochs ends first
@@ -146,32 +147,6 @@ class DataConfig:
 PREPARE_FIELDS = ("data", "src", "tgt", "data_dir", "manual_dir", "train_split", "vocab_size",
                   "max_length", "tokenizer_sample", "shard_pairs", "subword_samples",
                   "subword_alpha")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBudget:
-    """How one optimizer step's tokens are spread: on each of `replicas` devices,
-    `accumulate` micro-batches of at most `micro_batch` tokens each (5.1: ~25,000 source and
-    25,000 target tokens a step, over 8 GPUs)."""
-
-    micro_batch: int
-    replicas: int
-    accumulate: int
-
-    @property
-    def tokens_per_step(self) -> int:
-        """The step's token budget over all replicas and micro-batches."""
-        return self.micro_batch * self.replicas * self.accumulate
-
-    @property
-    def global_micro_batch(self) -> int:
-        """One micro-step's budget over all replicas: the global `tokens_per_batch` that
-        `pipelines.batching` splits over replicas."""
-        return self.micro_batch * self.replicas
-
-    def describe(self) -> str:
-        return (f"{self.replicas} replica(s) x {self.accumulate} micro-batch(es) of <= "
-                f"{self.micro_batch} tokens = {self.tokens_per_step} tokens per step")
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from keras_transformer.errors import UsageError
 from keras_transformer.kernels import fused_kernels
 from keras_transformer.training import backup, run_data
 from keras_transformer.training import callbacks as cb
-from keras_transformer.training.config import DEFAULT_MAX_STEPS, StepBudget, TrainConfig
+from keras_transformer.training.config import DEFAULT_MAX_STEPS, TrainConfig
 from keras_transformer.training.loss_scaling import LossScaleOptimizer
 from keras_transformer.training.losses import (
     GlobalTokenCrossEntropy,
@@ -38,6 +38,7 @@ from keras_transformer.training.precision import (
     resolve_jit,
     resolve_precision,
 )
+from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.trainer_model import build_trainer
 from pipelines import storage
 from pipelines.batching import make_batches, xla_bucket_boundaries

@@ -40,14 +40,10 @@ from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.serving.saved_model import export_saved_model
 from keras_transformer.training import backup, run_data
-from keras_transformer.training.config import (
-    DEFAULT_MAX_STEPS,
-    EvaluationConfig,
-    StepBudget,
-    TrainConfig,
-)
+from keras_transformer.training.config import DEFAULT_MAX_STEPS, EvaluationConfig, TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
+from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.val_choice import (
     choose_on_val_bleu,
     decoding_grid,
