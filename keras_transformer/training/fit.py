@@ -34,6 +34,7 @@ from keras_transformer.training.losses import (
 )
 from keras_transformer.training.optimizer import paper_adam
 from keras_transformer.training.precision import (
+    describe_precision,
     gpu_capabilities,
     resolve_jit,
     resolve_precision,
@@ -180,7 +181,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     _LOG.info(f"training {model.count_params():,} parameters ({config.model.preset} preset, "
               f"vocabulary {tokenizer.vocab_size}) on {prepared.describe_pairs()}: "
               f"{budget.describe()}; "
-              f"{precision}, XLA {'on' if jit else 'off'}; " + (
+              f"{describe_precision(optimization.precision, precision, gpus)}, "
+              f"XLA {'on' if jit else 'off'}; " + (
                   f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")
               + f"; a line every {interval} steps")
     build_for_distributed_fit(model, next(iter(val_batches[context.input_pipeline_id])))

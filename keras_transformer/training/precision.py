@@ -74,6 +74,22 @@ def resolve_precision(choice: str, gpus: Sequence[tuple[int, int]] = (),
     return "mixed_bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
 
 
+def describe_precision(choice: str, resolved: str, num_gpus: int) -> str:
+    """`resolved` for the training log, saying why when `auto` fell back to float32 on a CPU:
+    the same recipe then trains another model than on a CPU with bfloat16 instructions, and
+    more slowly (BENCHMARKS.md, Machines).
+
+    Args:
+        choice: `--precision`, one of `PRECISIONS`.
+        resolved: what `resolve_precision` made of it.
+        num_gpus: the GPUs training uses.
+    """
+    if choice == "auto" and resolved == "float32" and not num_gpus:
+        return (f"{resolved} (precision auto: this CPU has no bfloat16 instructions, "
+                f"{' or '.join(_BF16_FLAGS)})")
+    return resolved
+
+
 def resolve_jit(choice: str, num_gpus: int) -> bool:
     """Whether to XLA-compile the train step for `--jit-compile choice`.
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from keras_transformer.training.precision import resolve_jit, resolve_precision
+from keras_transformer.training.precision import (
+    describe_precision,
+    resolve_jit,
+    resolve_precision,
+)
 
 
 @pytest.mark.parametrize(
@@ -27,6 +31,16 @@ def test_precision_auto_follows_the_hardware(tmp_path, flags, gpus, choice, expe
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     assert resolve_precision(choice, gpus, cpuinfo) == expected
     assert resolve_precision("auto", [], tmp_path / "missing") == "float32"
+
+
+def test_the_log_says_why_auto_trains_in_float32_on_a_cpu():
+    assert describe_precision("auto", "float32", 0) == (
+        "float32 (precision auto: this CPU has no bfloat16 instructions, avx512_bf16 or "
+        "amx_bf16)")
+    # Asked for, or chosen for bfloat16 hardware or GPUs: just the name.
+    assert describe_precision("float32", "float32", 0) == "float32"
+    assert describe_precision("auto", "mixed_bfloat16", 0) == "mixed_bfloat16"
+    assert describe_precision("auto", "mixed_float16", 2) == "mixed_float16"
 
 
 def test_jit_auto_is_on_with_gpus_and_off_on_cpus():
