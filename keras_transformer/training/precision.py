@@ -85,8 +85,9 @@ def describe_precision(choice: str, resolved: str, num_gpus: int) -> str:
         num_gpus: the GPUs training uses.
     """
     if choice == "auto" and resolved == "float32" and not num_gpus:
-        return (f"{resolved} (precision auto: this CPU has no bfloat16 instructions, "
-                f"{' or '.join(_BF16_FLAGS)})")
+        # The flags, not a verdict on the CPU: where /proc/cpuinfo is unreadable (macOS)
+        # nothing is found either.
+        return f"{resolved} (precision auto: no {' or '.join(_BF16_FLAGS)} in this CPU's flags)"
     return resolved
 
 

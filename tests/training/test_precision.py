@@ -35,8 +35,7 @@ def test_precision_auto_follows_the_hardware(tmp_path, flags, gpus, choice, expe
 
 def test_the_log_says_why_auto_trains_in_float32_on_a_cpu():
     assert describe_precision("auto", "float32", 0) == (
-        "float32 (precision auto: this CPU has no bfloat16 instructions, avx512_bf16 or "
-        "amx_bf16)")
+        "float32 (precision auto: no avx512_bf16 or amx_bf16 in this CPU's flags)")
     # Asked for, or chosen for bfloat16 hardware or GPUs: just the name.
     assert describe_precision("float32", "float32", 0) == "float32"
     assert describe_precision("auto", "mixed_bfloat16", 0) == "mixed_bfloat16"
