@@ -18,7 +18,8 @@ is built with the system's `g++` against the installed TensorFlow's headers into
 TensorFlow build, the compiler and the CPU. `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto`
 (default: use them when no GPU is visible and they build, else TensorFlow ops, with one warning
 if the build failed), `off`, or `on` (raise if they cannot be built). XLA-compiled steps
-(`jit_compile=True`) always use TensorFlow ops.
+(`jit_compile=True`) always use TensorFlow ops, and under another Keras backend (JAX)
+`fused_kernels()` is None without importing TensorFlow: the model then runs `keras.ops` only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import tensorflow as tf
+import keras
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cross_entropy.cc", _HERE / "residual_norm.cc")  # one library
@@ -82,6 +83,8 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _build_command(output: Path) -> list[str]:
+    import tensorflow as tf
+
     return [_compiler(), "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
             *tf.sysconfig.get_compile_flags(), *map(str, SOURCES), "-o", str(output),
             *tf.sysconfig.get_link_flags()]
@@ -90,6 +93,8 @@ def _build_command(output: Path) -> list[str]:
 def library_path() -> Path:
     """Where the compiled library for this source, TensorFlow build, compiler and CPU is
     cached."""
+    import tensorflow as tf
+
     key = hashlib.sha256()
     compiler = _compiler()
     for part in (*(path.read_bytes() for path in SOURCES + _HEADERS), tf.__version__,
@@ -127,6 +132,8 @@ def _load():
     """(library, None) or (None, the KernelBuildError): one attempt per process, so a failing
     build is not retried at every layer call. A cached library that does not load (e.g. a
     truncated file) is rebuilt once."""
+    import tensorflow as tf
+
     try:
         path = library_path()
         if not path.exists():
@@ -149,17 +156,28 @@ def _in_xla_context() -> bool:
         from tensorflow.python.ops import control_flow_util
     except ImportError:
         return False
+    import tensorflow as tf
+
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def fused_kernels():
-    """The loaded op library, or None when the fused kernels are off or unavailable, or when
-    tracing an XLA-compiled function (XLA compiles the TensorFlow ops instead).
+    """The loaded op library, or None when the fused kernels are off or unavailable, when
+    tracing an XLA-compiled function (XLA compiles the TensorFlow ops instead), or when Keras
+    runs on another backend than TensorFlow (they are TensorFlow ops).
 
     Raises:
         KernelBuildError: in mode `on`, when the library cannot be built or loaded.
     """
     selected = mode()
+    if keras.backend.backend() != "tensorflow":
+        if selected == "on":
+            raise KernelBuildError(
+                f"{MODE_VARIABLE}=on, but the fused kernels are TensorFlow ops and Keras runs "
+                f"on {keras.backend.backend()!r}; unset {MODE_VARIABLE} or set it to auto.")
+        return None
+    import tensorflow as tf
+
     if selected == "off" or _in_xla_context():
         return None
     if selected == "auto" and tf.config.list_logical_devices("GPU"):
@@ -180,6 +198,8 @@ def _warn_fallback(reason: str) -> None:
 
 def _kernel_dtype(tensor):
     """`tensor` as float32 or bfloat16, the dtypes the kernels take."""
+    import tensorflow as tf
+
     tensor = tf.convert_to_tensor(tensor)
     return tensor if tensor.dtype in (tf.float32, tf.bfloat16) else tf.cast(tensor, tf.float32)
 
@@ -203,6 +223,8 @@ def smoothed_cross_entropy(library, labels, logits, label_smoothing: float):
     Returns:
         float32 (...,) losses; the gradient comes back in the logits' dtype.
     """
+    import tensorflow as tf
+
     eps = float(label_smoothing)
 
     @tf.custom_gradient
@@ -235,6 +257,8 @@ def residual_norm(library, x, residual, gamma, beta, seed, epsilon: float, rate:
     Returns:
         a tensor like `x`.
     """
+    import tensorflow as tf
+
     seed = tf.cast(seed, tf.int64)
     rate = float(rate)
 

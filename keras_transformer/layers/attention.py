@@ -6,6 +6,10 @@ key_dim=d_model, which makes every head full width: h times the paper's cost. We
 
 Masks are explicit boolean tensors (True = may attend), never Keras masks: the Keras mask
 machinery adds work to every layer and hides where a mask comes from.
+
+Written with `keras.ops`, so it runs on every Keras backend. One piece is TensorFlow's alone:
+`attend_one_query`, the decoding step's attention by products and sums (decoding and export
+stay TensorFlow), chosen only under the TensorFlow backend.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import math
 
 import keras
-import tensorflow as tf
+import ml_dtypes
+import numpy as np
 from keras import ops
 
 
@@ -57,7 +62,9 @@ def _masked_score(dtype) -> float:
     """Score of a masked position: the most negative finite value of `dtype` (float16's is
     -65504; -1e9 would be -inf there), so a fully masked row gives uniform weights rather
     than NaN, as keras' masked softmax does."""
-    return float(tf.as_dtype(keras.backend.standardize_dtype(dtype)).min)
+    name = keras.backend.standardize_dtype(dtype)
+    return float(ml_dtypes.finfo(ml_dtypes.bfloat16).min if name == "bfloat16"
+                 else np.finfo(name).min)
 
 
 def attend_one_query(query_heads, key_heads, value_heads, attention_mask=None):
@@ -77,6 +84,8 @@ def attend_one_query(query_heads, key_heads, value_heads, attention_mask=None):
     Returns:
         (attended (rows, heads, d_k), weights (rows, heads, length)).
     """
+    import tensorflow as tf  # a TensorFlow fast path: decoding and export stay TensorFlow
+
     scale = 1.0 / math.sqrt(query_heads.shape[-1])
     scores = tf.reduce_sum((query_heads * scale) * key_heads, axis=-1)
     if attention_mask is not None:
@@ -85,6 +94,12 @@ def attend_one_query(query_heads, key_heads, value_heads, attention_mask=None):
     weights = scores / tf.reduce_sum(scores, axis=-1, keepdims=True)
     attended = tf.reduce_sum(weights[:, :, :, None] * value_heads, axis=2)
     return attended, weights
+
+
+# keras.layers.MultiHeadAttention options that this layer's own attention does not implement,
+# with the values that mean "not used" (the first is keras' default).
+_UNSUPPORTED_OPTIONS = {"attention_axes": (None,), "sliding_window": (None,),
+                        "flash_attention": (None, False), "use_gate": (False,)}
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -100,7 +115,9 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         d_model: model width; the output has this size too.
         num_heads: number of heads h; must divide `d_model`.
         dropout: dropout rate on the attention weights (the paper uses none; 0.0).
-        **kwargs: passed to `keras.layers.MultiHeadAttention` (e.g. `kernel_initializer`).
+        **kwargs: passed to `keras.layers.MultiHeadAttention` (e.g. `kernel_initializer`);
+            `attention_axes`, `sliding_window`, `flash_attention` and `use_gate` are refused
+            (ValueError) rather than ignored.
 
     Call arguments:
         query: (batch, target_length, d_model).
@@ -136,6 +153,18 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             )
         for name in ("key_dim", "value_dim", "output_shape"):
             kwargs.pop(name, None)  # derived from d_model/num_heads; present in get_config()
+        unsupported = {name: kwargs.pop(name) for name, unused in _UNSUPPORTED_OPTIONS.items()
+                       if kwargs.get(name, unused[0]) not in unused}
+        for name in _UNSUPPORTED_OPTIONS:
+            kwargs.pop(name, None)  # at their defaults (as get_config() writes them)
+        if unsupported:
+            raise ValueError(
+                f"keras_transformer.MultiHeadAttention does not support "
+                f"{', '.join(f'{k}={v!r}' for k, v in unsupported.items())}: it attends over "
+                "the sequence axis with its own head-major matmuls (the paper's 3.2.1, which "
+                "also give decoding's attention weights), and these keras.layers."
+                "MultiHeadAttention options would be silently ignored. Use keras.layers."
+                "MultiHeadAttention for them.")
         super().__init__(
             num_heads=num_heads, key_dim=d_model // num_heads, dropout=dropout, **kwargs
         )
@@ -204,7 +233,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         operand (and, when decoding, the whole cache) on each call; this is 3x faster for one
         query over a cache and ~25% faster for training shapes (forward + backward) here.
         """
-        if _one_position(query_heads, axis=2) and query_heads.dtype == "float32" and not training:
+        if (_one_position(query_heads, axis=2) and query_heads.dtype == "float32"
+                and not training and keras.backend.backend() == "tensorflow"):
             return self._attend_one_query(query_heads, key_heads, value_heads, attention_mask)
         scale = ops.cast(1.0 / math.sqrt(self._key_dim), query_heads.dtype)
         scores = ops.matmul(query_heads * scale, ops.transpose(key_heads, (0, 1, 3, 2)))
@@ -289,7 +319,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        for name in ("key_dim", "value_dim", "output_shape"):
+        for name in ("key_dim", "value_dim", "output_shape", *_UNSUPPORTED_OPTIONS):
             config.pop(name, None)
         config["d_model"] = self.d_model
         return config

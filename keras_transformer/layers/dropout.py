@@ -3,20 +3,21 @@
 Keras' dropout draws one float32 uniform per element; on CPU the random-number generation then
 costs more than the rest of the dropout. Comparing 16 random bits per element against a
 threshold keeps the same distribution (rate rounded to a multiple of 1/65536) at about half
-the cost of drawing the mask.
+the cost of drawing the mask. That is a TensorFlow fast path (`tf.bitcast`), chosen under the
+TensorFlow backend only; other backends draw keras' own mask.
 """
 
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 _LEVELS = 1 << 16
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class Dropout(keras.layers.Dropout):
-    """`keras.layers.Dropout` drawing 16 random bits per element (no `noise_shape`).
+    """`keras.layers.Dropout` drawing 16 random bits per element under TensorFlow (no
+    `noise_shape`); keras' own dropout on other backends.
 
     Args:
         rate: fraction of elements zeroed while training; survivors are scaled by
@@ -41,6 +42,10 @@ class Dropout(keras.layers.Dropout):
     def call(self, inputs, training=False):
         if not training or self.threshold == 0:
             return inputs
+        if keras.backend.backend() != "tensorflow":
+            return super().call(inputs, training=training)
+        import tensorflow as tf  # the TensorFlow fast path (module docstring)
+
         seed = tf.cast(
             tf.math.floormod(tf.cast(self.seed_generator.next(), tf.int64), tf.int32.max - 1),
             tf.int32,

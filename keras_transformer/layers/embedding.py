@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from keras_transformer.layers.dropout import Dropout
@@ -108,12 +107,18 @@ class PositionalEmbedding(keras.layers.Layer):
         One 2-D MatMul with `transpose_b`: its kernel gradient, grad^T x, comes out in the
         embedding's own (vocab, d_model) layout, where the transposed-matrix formulation
         computed a (d_model, vocab) product and transposed it (on this CPU the former runs at
-        372 GFLOP/s, the latter at 315 plus the transpose).
+        372 GFLOP/s, the latter at 315 plus the transpose). That is TensorFlow's; under other
+        backends the transpose is part of the XLA dot (no copy).
         """
         kernel = ops.cast(self.embeddings, self.compute_dtype)
         shape = ops.shape(vectors)
-        logits = tf.linalg.matmul(ops.reshape(vectors, (-1, self.d_model)), kernel,
-                                  transpose_b=True)
+        rows = ops.reshape(vectors, (-1, self.d_model))
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf  # the TensorFlow fast path above
+
+            logits = tf.linalg.matmul(rows, kernel, transpose_b=True)
+        else:
+            logits = ops.matmul(rows, ops.transpose(kernel))
         return ops.reshape(logits, tuple(shape[:-1]) + (self.vocab_size,))
 
     def compute_output_shape(self, input_shape, reverse: bool = False):

@@ -8,7 +8,6 @@ x + Dropout(Sublayer(LayerNorm(x))); the stack then needs one final LayerNorm.
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from keras_transformer.kernels import fused_kernels, residual_norm
 from keras_transformer.layers.dropout import Dropout
@@ -51,16 +50,17 @@ class ResidualNorm(keras.layers.Layer):
 
         Post-norm training steps use the fused kernel (`keras_transformer.kernels`): dropout,
         residual add and LayerNorm in one pass forward and one backward, instead of ~25 small
-        ops. Inference, and so every export, uses the layers' standard TensorFlow ops.
+        ops. Inference, and so every export, uses the layers' standard ops, as does every
+        backend but TensorFlow (`fused_kernels()` is None there).
         """
         fusable = (not self.pre_norm and training is True
                    and self.compute_dtype in ("float32", "bfloat16"))
         library = fused_kernels() if fusable else None
         if library is not None:
             seed = (self.dropout_layer.seed_generator.next() if self.dropout > 0
-                    else tf.zeros([2], tf.int64))
+                    else keras.ops.zeros((2,), "int64"))
             outputs = residual_norm(
-                library, sublayer_output, tf.cast(inputs, sublayer_output.dtype),
+                library, sublayer_output, keras.ops.cast(inputs, sublayer_output.dtype),
                 self.norm.gamma, self.norm.beta, seed, self.epsilon, self.dropout)
             return keras.ops.cast(outputs, self.norm.compute_dtype)
         outputs = inputs + self.dropout_layer(sublayer_output, training=training)

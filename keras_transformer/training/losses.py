@@ -3,7 +3,9 @@
 All three ignore padding (label id 0) and compute in float32 even when the model runs in
 bfloat16/float16. None materializes one-hot labels: the smoothed cross-entropy is
 (1 - eps) * NLL(label) + eps * (logsumexp(logits) - mean(logits)), since the smoothed target
-puts eps / V on every class. TensorFlow-specific (tf.custom_gradient), like the project.
+puts eps / V on every class. Written with `keras.ops` for every backend; under TensorFlow the
+per-token loss and its gradient are the fast paths of `losses_tensorflow` (a hand-written
+gradient, the fused CPU kernels), chosen there only.
 
 Under `tf.distribute`, `GlobalTokenCrossEntropy` normalizes by the global batch's tokens.
 How Keras 3's TF trainer combines replicas (keras/src/backend/tensorflow/trainer.py,
@@ -19,33 +21,21 @@ different numbers of tokens, so no per-replica mean reproduces the single-device
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import ops
 
-from keras_transformer.kernels import (
-    fused_kernels,
-    smoothed_cross_entropy,
-    smoothed_cross_entropy_value,
-)
 from pipelines.constants import PAD_ID
 
 
+def _backend_is_tensorflow() -> bool:
+    return keras.backend.backend() == "tensorflow"
+
+
 def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
-    """Per-token (smoothed) cross-entropy, with a fused gradient.
+    """Per-token (smoothed) cross-entropy.
 
-    The gradient, softmax - (1 - eps) * one_hot - eps / V, is written by hand (autodiff of
-    the label gather materializes and scatters a full (tokens, vocab) tensor, ~3x slower on
-    CPU) and computed in the same pass as the loss: one XLA computation reads the logits
-    once and returns both, so the backward pass only scales the stored gradient by the
-    upstream per-token weights. On (tokens, vocab) logits every op is a memory-bound pass
-    and XLA fuses them (forward + gradient on 64x32x8000 logits on this CPU: 40 ms as
-    separate TensorFlow ops, 22 ms as two XLA computations, 20 ms as this one). Only this
-    elementwise part is compiled; the matmuls stay with oneDNN.
-
-    With the fused CPU kernels (`keras_transformer.kernels`) the forward pass is one C++ op
-    that keeps only the log-normalizer, and the backward pass writes the gradient, already
-    scaled, in one more: 64x32x8000 bfloat16 logits take 3.2 + 4.5 ms on this project's CPU
-    instead of the XLA pass's ~20 ms plus the scaling and casts.
+    Under TensorFlow with a hand-written gradient fused with the loss (or the fused CPU
+    kernels): `keras_transformer.training.losses_tensorflow.token_cross_entropy`. Under other
+    backends `keras.ops` and autodiff, which XLA fuses.
 
     Args:
         labels: int (batch, length).
@@ -55,85 +45,34 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     Returns:
         float32 (batch, length); not yet masked.
     """
-    labels = tf.cast(labels, tf.int32)
-    eps = float(label_smoothing)
-    library = fused_kernels()
-    if library is not None:
-        return smoothed_cross_entropy(library, labels, logits, eps)
+    if _backend_is_tensorflow():
+        from keras_transformer.training import losses_tensorflow
 
-    @tf.custom_gradient
-    def cross_entropy(logits):
-        loss, unscaled_gradient = _cross_entropy_and_gradient(logits, labels, eps)
-
-        def grad(upstream):
-            return unscaled_gradient * tf.cast(upstream, unscaled_gradient.dtype)[..., None]
-
-        return loss, grad
-
-    return cross_entropy(logits)
-
-
-def _before_exact_upcast(logits):
-    """The bfloat16 tensor that graph-mode `logits` were cast to float32 from, if any.
-
-    A mixed-precision model returns float32 logits cast from its 16-bit matmul (keras'
-    advice for outputs). The cast is exact, so reading the 16-bit tensor gives the same
-    values at half the memory traffic, and the cast and its gradient drop out of the step
-    (5.6 ms of 64x32x8000 logits on this project's CPU). The gradient then flows into the
-    bfloat16 tensor, not the float32 one: use it only where nothing differentiates with
-    respect to the float32 logits themselves. Eager tensors are returned as is.
-    """
-    op = getattr(logits, "op", None)
-    if op is None or op.type != "Cast" or logits.dtype != tf.float32:
-        return logits
-    source = op.inputs[0]
-    return source if source.dtype == tf.bfloat16 else logits  # the kernels take bfloat16
-
-
-def _smoothed_loss(logits, labels, log_normalizer, eps: float):
-    """Per-token loss from float32 logits and their logsumexp."""
-    loss = log_normalizer - tf.gather(logits, labels, batch_dims=len(labels.shape))
-    if eps:
-        uniform = log_normalizer - tf.reduce_mean(logits, axis=-1)
-        loss = (1.0 - eps) * loss + eps * uniform
-    return loss
-
-
-@tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
-def _cross_entropy_and_gradient(logits, labels, eps: float):
-    """(per-token loss float32 (batch, length), d loss / d logits in the logits' dtype)."""
-    logits32 = tf.cast(logits, tf.float32)
-    maximum = tf.reduce_max(logits32, axis=-1, keepdims=True)
-    exponentials = tf.exp(logits32 - maximum)
-    total = tf.reduce_sum(exponentials, axis=-1, keepdims=True)
-    log_normalizer = (tf.math.log(total) + maximum)[..., 0]
-    loss = _smoothed_loss(logits32, labels, log_normalizer, eps)
-    vocab = tf.shape(logits)[-1]
-    target = tf.one_hot(labels, vocab, on_value=1.0 - eps, off_value=0.0)
-    if eps:
-        target += eps / tf.cast(vocab, tf.float32)
-    return loss, tf.cast(exponentials / total - target, logits.dtype)
-
-
-@tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
-def _cross_entropy_value(logits, labels, eps: float):
-    """`token_cross_entropy` without a gradient (for metrics): per-token float32 loss."""
-    logits32 = tf.cast(logits, tf.float32)
-    return _smoothed_loss(logits32, labels, tf.reduce_logsumexp(logits32, axis=-1), eps)
+        return losses_tensorflow.token_cross_entropy(labels, logits, label_smoothing)
+    return _portable_cross_entropy(labels, logits, label_smoothing)
 
 
 def token_cross_entropy_value(labels, logits, label_smoothing: float = 0.0):
-    """`token_cross_entropy` for metrics and validation: the loss only, nothing prepared for a
-    gradient (the fallback's fused pass would also write a (tokens, vocab) gradient).
+    """`token_cross_entropy` for metrics and validation: the loss only (under TensorFlow
+    nothing is prepared for a gradient). Args and returns as `token_cross_entropy`."""
+    if _backend_is_tensorflow():
+        from keras_transformer.training import losses_tensorflow
 
-    Args and returns as `token_cross_entropy`.
-    """
-    labels = tf.cast(labels, tf.int32)
+        return losses_tensorflow.token_cross_entropy_value(labels, logits, label_smoothing)
+    return _portable_cross_entropy(labels, logits, label_smoothing)
+
+
+def _portable_cross_entropy(labels, logits, label_smoothing: float):
+    """The smoothed cross-entropy in `keras.ops`: (1 - eps) * (logsumexp - logit[label])
+    + eps * (logsumexp - mean(logits)), in float32. float32 (batch, length)."""
+    logits = ops.cast(logits, "float32")
+    log_normalizer = ops.logsumexp(logits, axis=-1)
+    labels = ops.expand_dims(ops.cast(labels, "int32"), -1)
+    loss = log_normalizer - ops.squeeze(ops.take_along_axis(logits, labels, axis=-1), -1)
     eps = float(label_smoothing)
-    library = fused_kernels()
-    if library is not None:
-        return smoothed_cross_entropy_value(library, labels, _before_exact_upcast(logits), eps)
-    return _cross_entropy_value(logits, labels, eps)
+    if eps:
+        loss = (1.0 - eps) * loss + eps * (log_normalizer - ops.mean(logits, axis=-1))
+    return loss
 
 
 def _real_tokens(labels):
@@ -159,7 +98,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     """Mean label-smoothed cross-entropy over the non-padding tokens of a batch.
 
     With the fused kernels, float32 logits that a graph cast from bfloat16 are read before
-    the cast (`_before_exact_upcast`): the loss and the weights' gradients are unchanged, but
+    the cast (`losses_tensorflow.before_exact_upcast`): the loss and the weights' gradients are unchanged, but
     a gradient with respect to those float32 logits themselves is None; use
     `masked_token_loss_sum` for that.
 
@@ -187,10 +126,13 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     def sum_and_count(self, y_true, y_pred):
         """(float32 sum of the token losses, float32 number of non-padding tokens): the
         parts of the mean, for means over several micro-batches or replicas."""
-        if fused_kernels() is not None:
+        if _backend_is_tensorflow():
+            from keras_transformer.training import losses_tensorflow
+
             # Keras differentiates the loss with respect to the weights only, so reading the
-            # model's bfloat16 logits before their exact float32 cast gives the same gradients.
-            y_pred = _before_exact_upcast(y_pred)
+            # model's bfloat16 logits before their exact float32 cast gives the same gradients
+            # (with the fused kernels; otherwise the logits are returned as they are).
+            y_pred = losses_tensorflow.before_exact_upcast_for_kernels(y_pred)
         return masked_token_loss_sum(y_true, y_pred, self.label_smoothing)
 
     def get_config(self) -> dict:
@@ -251,6 +193,7 @@ class Perplexity(_MaskedMean):
         return ops.exp(super().result())
 
 
+@keras.saving.register_keras_serializable(package="keras_transformer")
 class GlobalTokenCrossEntropy(LabelSmoothedCrossEntropy):
     """`LabelSmoothedCrossEntropy` normalized by the token count of the *global* batch.
 
@@ -270,13 +213,17 @@ class GlobalTokenCrossEntropy(LabelSmoothedCrossEntropy):
 
     def call(self, y_true, y_pred):
         local, local_tokens = self.sum_and_count(y_true, y_pred)
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
+        if not _backend_is_tensorflow():
+            # JAX: one program over the global batch (keras.distribution shards it), so the
+            # batch's own token mean is already the global one.
             return local / ops.maximum(local_tokens, 1.0)
-        replicas = context.num_replicas_in_sync
+        from keras_transformer.training import losses_tensorflow
+
+        replicas = losses_tensorflow.replicas_in_sync()
+        if replicas == 1:
+            return local / ops.maximum(local_tokens, 1.0)
         local_and_tokens = ops.stack([ops.stop_gradient(local), local_tokens])
-        total, tokens = ops.unstack(context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                       local_and_tokens))
+        total, tokens = ops.unstack(losses_tensorflow.sum_over_replicas(local_and_tokens))
         tokens = ops.maximum(tokens, 1.0)
         gradient_part = local / tokens
         return gradient_part + ops.stop_gradient(total / (tokens * replicas) - gradient_part)

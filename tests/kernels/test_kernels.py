@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from keras_transformer import kernels
 from keras_transformer.layers.normalization import layer_normalization
-from keras_transformer.training.losses import _cross_entropy_and_gradient
+from keras_transformer.training.losses_tensorflow import _cross_entropy_and_gradient
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 BF16_TOL = dict(rtol=1e-2, atol=1e-2)
@@ -225,11 +225,8 @@ def test_loss_reads_bfloat16_logits_through_an_exact_upcast(library, monkeypatch
     """The Keras loss reads model outputs cast bfloat16 -> float32 before the cast: the same
     loss, and the same gradient for the bfloat16 logits, as the TensorFlow ops through the
     cast. The per-token function keeps the float32 logits differentiable."""
-    from keras_transformer.training.losses import (
-        LabelSmoothedCrossEntropy,
-        _before_exact_upcast,
-        token_cross_entropy,
-    )
+    from keras_transformer.training.losses import LabelSmoothedCrossEntropy, token_cross_entropy
+    from keras_transformer.training.losses_tensorflow import before_exact_upcast
 
     rng = np.random.default_rng(0)
     logits16 = tf.cast(rng.normal(size=(2, 3, 20)).astype("float32") * 3, tf.bfloat16)
@@ -239,7 +236,7 @@ def test_loss_reads_bfloat16_logits_through_an_exact_upcast(library, monkeypatch
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(logits16)
             logits = tf.cast(logits16, tf.float32)
-            assert _before_exact_upcast(logits) is not logits  # graph mode: the bf16 input
+            assert before_exact_upcast(logits) is not logits  # graph mode: the bf16 input
             loss = LabelSmoothedCrossEntropy(0.1)(labels, logits)
             per_token = tf.reduce_sum(token_cross_entropy(labels, logits, 0.1))
         to_float32 = tape.gradient(per_token, logits)
@@ -254,7 +251,7 @@ def test_loss_reads_bfloat16_logits_through_an_exact_upcast(library, monkeypatch
     np.testing.assert_allclose(results["on"][1], results["off"][1], **BF16_TOL)
     np.testing.assert_allclose(results["on"][2], results["off"][2], **BF16_TOL)
     eager = tf.cast(logits16, tf.float32)
-    assert _before_exact_upcast(eager) is eager
+    assert before_exact_upcast(eager) is eager
 
 
 def test_xla_compiled_steps_use_tensorflow_ops(library):
