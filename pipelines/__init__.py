@@ -7,6 +7,11 @@
 - :mod:`pipelines.batching`: length-bucketed, token-budget ``tf.data`` batches.
 - :mod:`pipelines.prepared`: a training split prepared once: tokenizer and token shards
   (their file format and checks: :mod:`pipelines.shard_files`).
+- Numpy alone, for machines without TensorFlow (Keras' JAX backend):
+  :mod:`pipelines.numpy_batches` yields a prepared folder's batches, the same as the
+  ``tf.data`` pipeline's, from :mod:`pipelines.prepared_folder` (manifest, checks),
+  :mod:`pipelines.batch_plan` (budget, buckets, orders, resume position) and
+  :mod:`pipelines.philox` (TensorFlow's stateless shuffle).
 - :mod:`pipelines.storage`: every file written whole or not at all (temporary name, fsync,
   rename) and ``StorageError`` for a full or failing disk; used by ``keras_transformer`` too.
 - :mod:`pipelines.constants`: the special token ids.

@@ -33,7 +33,6 @@ of that check into one line naming the file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -41,179 +40,43 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE, shard_files, storage
-from pipelines.batching import StreamPosition, check_budget, chunk_stream, plan_batches
-from pipelines.batching import static_shapes as planned_static_shapes
+from pipelines.batching import chunk_stream
 from pipelines.corpora import CorpusScan, CorpusSplit, log_dropped, scan_corpus
+from pipelines.prepared_folder import (  # numpy alone; re-exported for every existing import
+    DAMAGED_ADVICE,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    TOKENIZER_DIR,
+    PreparedError,
+    PreparedFolder,
+    sampling_settings,
+)
 from pipelines.storage import StorageError
 from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
 
 __all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "damaged_shard", "prepare_corpus",
            "sampling_settings"]
 
-MANIFEST_FILE = "manifest.json"
-TOKENIZER_DIR = "tokenizer"
-FORMAT_VERSION = 1
 _STAGING_PREFIX = ".tmp-prepare-"
 _LOG = logging.getLogger("pipelines")
-_DAMAGED_ADVICE = ("the prepared corpus is damaged (a failing disk or an incomplete copy); "
-                   "prepare it again, or copy it again from where it was prepared")
-
-
-class PreparedError(ValueError):
-    """A prepared directory is missing, incomplete, damaged, or made with other settings."""
 
 
 @dataclasses.dataclass(frozen=True)
-class PreparedCorpus:
-    """A complete prepared directory (see the module docstring); :meth:`load` opens one."""
+class PreparedCorpus(PreparedFolder):
+    """A complete prepared directory (see the module docstring); :meth:`load` opens one.
 
-    directory: Path
-    manifest: dict[str, Any]
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike) -> PreparedCorpus:
-        """Opens ``directory`` and checks that every shard file has its recorded size.
-
-        Raises:
-          PreparedError: no manifest (not prepared, or a preparation that did not finish),
-            an unreadable manifest, or a missing or truncated shard.
-        """
-        directory = Path(directory)
-        path = directory / MANIFEST_FILE
-        if not path.is_file():
-            raise PreparedError(f"{directory}: not a prepared corpus (no {MANIFEST_FILE}); "
-                                "prepare it with `python -m keras_transformer.prepare`")
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as error:
-            raise PreparedError(f"{path}: unreadable ({error}); prepare the corpus again") from None
-        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            version = manifest.get("format_version") if isinstance(manifest, dict) else None
-            raise PreparedError(f"{path}: format {version!r}, this version reads "
-                                f"{FORMAT_VERSION}; prepare the corpus again")
-        try:
-            for shard in manifest["shards"]:
-                for kind in ("ids", "lengths"):
-                    file = directory / shard[kind]
-                    size = file.stat().st_size if file.is_file() else None
-                    if size != shard[f"{kind}_bytes"]:
-                        raise PreparedError(
-                            f"{file}: {'missing' if size is None else f'{size} bytes'}, the "
-                            f"manifest says {shard[f'{kind}_bytes']}: the prepared corpus is "
-                            "damaged; prepare it again (or copy it again from where it was "
-                            "prepared)")
-            for key in ("settings", "corpus", "corpus_fingerprint", "pairs_kept", "id_dtype"):
-                manifest[key]  # noqa: B018 (presence check)
-        except (KeyError, TypeError) as error:
-            raise PreparedError(f"{path}: incomplete manifest ({type(error).__name__}: {error}); "
-                                "prepare the corpus again") from None
-        if not (directory / TOKENIZER_DIR).is_dir():
-            raise PreparedError(f"{directory / TOKENIZER_DIR}: missing; prepare the corpus again")
-        return cls(directory, manifest)
-
-    def verify(self, shards: Sequence[int] | None = None) -> None:
-        """Recomputes the CRC-32 of every file of ``shards`` (default: all) and compares it
-        with the manifest's: what :meth:`load`'s size checks miss, bytes changed in place.
-
-        Reads every byte (0.8 GB/s from the development machine's disk, 1.2 GB/s from the
-        page cache: BENCHMARKS.md): a training run does it once before its first step. A
-        manifest written before checksums were recorded has none: its files are not
-        verified.
-
-        Raises:
-          PreparedError: the first file whose checksum differs, or that cannot be read.
-        """
-        for index in range(self.num_shards) if shards is None else shards:
-            shard = self.manifest["shards"][index]
-            for kind in ("ids", "lengths"):
-                recorded = shard.get(f"{kind}_crc32")
-                if recorded is None:
-                    continue
-                file = self.directory / shard[kind]
-                try:
-                    found = f"{storage.file_checksum(file):08x}"
-                except OSError as error:
-                    raise PreparedError(f"{file}: unreadable ({error.strerror or error}); "
-                                        f"{_DAMAGED_ADVICE}") from None
-                if found != recorded:
-                    raise PreparedError(f"{file}: checksum {found}, the manifest says "
-                                        f"{recorded}: {_DAMAGED_ADVICE}")
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        """How it was prepared: languages, vocab_size, max_length, tokenizer_sample, seed."""
-        return dict(self.manifest["settings"])
-
-    @property
-    def pairs(self) -> int:
-        """Pairs kept (those within max_length)."""
-        return int(self.manifest["pairs_kept"])
-
-    def describe_pairs(self) -> str:
-        """E.g. "29,000 pairs", or "580,000 pairs (29,000 in 20 sampled segmentations)"."""
-        copies = int(self.settings.get("subword_samples") or 1)
-        return f"{self.pairs:,} pairs" + (
-            f" ({self.pairs // copies:,} in {copies} sampled segmentations)" if copies > 1
-            else "")
-
-    @property
-    def num_shards(self) -> int:
-        """Number of shard files (pairs of .ids/.lengths)."""
-        return len(self.manifest["shards"])
+    :class:`~pipelines.prepared_folder.PreparedFolder` (numpy alone: manifest, checks,
+    batch plans) with the tokenizer and the ``tf.data`` batches."""
 
     def tokenizer(self) -> SubwordTokenizer:
         """The SentencePiece tokenizer the shards were made with."""
         return SubwordTokenizer.load(self.directory / TOKENIZER_DIR)
-
-    def check_settings(self, wanted: Mapping[str, Any]) -> None:
-        """Raises :class:`PreparedError` naming every setting that differs from ``wanted``."""
-        recorded = {**sampling_settings(0, 0.0), **self.settings}  # older manifests: no sampling
-        differences = [f"{key}: prepared with {recorded.get(key)!r}, wanted {value!r}"
-                       for key, value in wanted.items() if recorded.get(key) != value]
-        if differences:
-            raise PreparedError(
-                f"{self.directory} was prepared differently ({'; '.join(differences)}); use "
-                "matching flags, another directory, or delete it to prepare again")
-
-    def check_source(self, split: CorpusSplit) -> None:
-        """Raises :class:`PreparedError` if ``split``'s files changed since preparation.
-
-        Only the same files (same resolved paths) are compared, by size and modification
-        time: a copy of the corpus elsewhere, or on another machine, is not judged.
-        """
-        recorded = self.manifest["corpus"]
-        current = split.identity()
-        for old, new in zip(recorded.get("files", []), current.get("files", []), strict=False):
-            if old["path"] == new["path"] and (old["bytes"], old["mtime_ns"]) != (
-                    new["bytes"], new["mtime_ns"]):
-                raise PreparedError(
-                    f"{new['path']} changed since {self.directory} was prepared from it; "
-                    "delete the prepared directory to prepare again, or restore the file")
-
-    def shard_batches(self, tokens_per_batch: int, max_length: int, num_replicas: int = 1,
-                      bucket_boundaries: Sequence[int] | None = None) -> list[np.ndarray]:
-        """Per shard, the end offsets of its batches (:func:`pipelines.batching.plan_batches`)."""
-        budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
-                                          bucket_boundaries)
-        return [self._plan(shard, boundaries, budget, max_length)
-                for shard in range(self.num_shards)]
-
-    def _histogram(self, shard: int, max_length: int) -> np.ndarray:
-        """Pairs of one shard per length (positions), up to max_length."""
-        return np.asarray(self.manifest["shards"][shard]["histogram"][:max_length + 1])
-
-    def _plan(self, shard: int, boundaries: Sequence[int], budget: int,
-              max_length: int) -> np.ndarray:
-        """The batch end offsets of one shard, from its length histogram."""
-        return plan_batches(self._histogram(shard, max_length), boundaries, budget)
 
     def batches(
         self,
@@ -247,39 +110,19 @@ class PreparedCorpus:
             prepared one.
           ValueError: invalid budget arguments.
         """
-        if skip_batches < 0:
-            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
-        prepared_length = int(self.settings["max_length"])
-        max_length = prepared_length if max_length is None else max_length
-        if max_length > prepared_length:
-            raise PreparedError(f"max_length {max_length} exceeds the {prepared_length} that "
-                                f"{self.directory} was prepared with; prepare it again with "
-                                f"--max-length {max_length}")
-        pipelines, pipeline = 1, 0
-        replicas = 1
+        pipelines = {}
         if input_context is not None:
-            pipelines, pipeline = input_context.num_input_pipelines, input_context.input_pipeline_id
-            replicas = input_context.num_replicas_in_sync
-        if self.num_shards < pipelines:
-            raise PreparedError(
-                f"{self.directory} has {self.num_shards} shard(s) for {pipelines} input "
-                f"pipelines (workers); prepare it with --shards {pipelines} or more")
-        budget, boundaries = check_budget(tokens_per_batch, max_length, replicas,
-                                          bucket_boundaries)
-        mine = list(range(pipeline, self.num_shards, pipelines))
-        ends = [self._plan(i, boundaries, budget, max_length) for i in mine]
-        if not any(len(e) for e in ends):
-            raise PreparedError(
-                f"{self.directory}: input pipeline {pipeline} of {pipelines} has no pair within "
-                f"max_length {max_length} in its shards {mine}; prepare more pairs or fewer shards")
-        stream_seed = seed + 7919 * pipeline
-        start = StreamPosition.after(skip_batches, [len(e) for e in ends], seed=stream_seed,
-                                     shuffle=shuffle) if skip_batches else StreamPosition()
-        shards = [self.manifest["shards"][i] for i in mine]
+            pipelines = dict(num_input_pipelines=input_context.num_input_pipelines,
+                             input_pipeline_id=input_context.input_pipeline_id,
+                             num_replicas=input_context.num_replicas_in_sync)
+        plan = self.stream_plan(tokens_per_batch=tokens_per_batch, max_length=max_length,
+                                seed=seed, shuffle=shuffle, skip_batches=skip_batches,
+                                bucket_boundaries=bucket_boundaries, **pipelines)
+        shards = [self.manifest["shards"][i] for i in plan.shards]
         ids_files = tf.constant([str(self.directory / s["ids"]) for s in shards])
         lengths_files = tf.constant([str(self.directory / s["lengths"]) for s in shards])
         id_dtype = tf.as_dtype(self.manifest["id_dtype"])
-        vocab_size = int(self.manifest.get("tokenizer_vocab_size", self.settings["vocab_size"]))
+        vocab_size = self.vocab_size
 
         def load_shard(index: tf.Tensor) -> tuple[tf.RaggedTensor, tf.RaggedTensor]:
             rows = shard_files.read_shard(ids_files[index], lengths_files[index], id_dtype,
@@ -287,30 +130,9 @@ class PreparedCorpus:
             sources = tf.range(rows.nrows() // 2) * 2  # rows 0, 2, 4, ...
             return tf.gather(rows, sources), tf.gather(rows, sources + 1)
 
-        return chunk_stream(len(mine), load_shard, ends, boundaries, seed=stream_seed,
-                            shuffle=shuffle, repeat=repeat, start=start,
-                            static_budget=budget if static_shapes else None)
-
-    def static_shapes(self, tokens_per_batch: int, max_length: int, num_replicas: int = 1,
-                      bucket_boundaries: Sequence[int] | None = None) -> set[tuple[int, int]]:
-        """The distinct ``(B, width)`` batch shapes of an epoch with ``static_shapes=True``
-        (:func:`pipelines.batching.static_shapes`): what an XLA-compiled step compiles."""
-        budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
-                                          bucket_boundaries)
-        plans = self.shard_batches(tokens_per_batch, max_length, num_replicas, boundaries)
-        found: set[tuple[int, int]] = set()
-        for shard, ends in enumerate(plans):
-            found |= planned_static_shapes(ends, self._histogram(shard, max_length), boundaries,
-                                           budget)
-        return found
-
-
-def sampling_settings(subword_samples: int, subword_alpha: float) -> dict[str, Any]:
-    """How a prepared directory's training pairs were segmented, as
-    :meth:`PreparedCorpus.check_settings` compares it (a manifest records it only with
-    sampled copies): the alpha only matters when there are some."""
-    return {"subword_samples": subword_samples,
-            "subword_alpha": subword_alpha if subword_samples else None}
+        return chunk_stream(len(plan.shards), load_shard, plan.ends, plan.boundaries,
+                            seed=plan.seed, shuffle=shuffle, repeat=repeat, start=plan.start,
+                            static_budget=plan.budget if static_shapes else None)
 
 
 def damaged_shard(error: BaseException) -> PreparedError | None:
@@ -318,7 +140,7 @@ def damaged_shard(error: BaseException) -> PreparedError | None:
     pipeline's checks, if ``error`` (raised while iterating :meth:`PreparedCorpus.batches`,
     e.g. by ``model.fit``) is such a failure; otherwise None."""
     found = shard_files.failed_check(error)
-    return None if found is None else PreparedError(f"{found}: {_DAMAGED_ADVICE}")
+    return None if found is None else PreparedError(f"{found}: {DAMAGED_ADVICE}")
 
 
 def prepare_corpus(

@@ -26,8 +26,13 @@ import sentencepiece as spm
 import tensorflow as tf
 
 from pipelines import storage
-from pipelines.batching import position_histogram
+from pipelines.batch_plan import position_histogram
 from pipelines.corpora import CorpusSplit, batched_pairs
+from pipelines.prepared_folder import (  # numpy alone; re-exported
+    failed_check_message,
+    file_dtype,
+    id_dtype,
+)
 from pipelines.tokenizer import SubwordTokenizer
 
 __all__ = ["failed_check", "file_dtype", "id_dtype", "read_shard", "write_shards"]
@@ -42,16 +47,6 @@ _FAILED_DATA = re.compile(re.escape(f"[{_FAILED}]") + r" \[(ids|lengths)\] \[(.+
                           r"\[(-?\d+)\] \[(-?\d+)\] \[(-?\d+)\]")
 _FAILED_EAGER = re.compile(re.escape(repr(_FAILED.encode())) + r"\nb'(ids|lengths)'\n(b'.*?'|"
                            r'b".*?")\n(-?\d+)\n(-?\d+)\n(-?\d+)')
-
-
-def id_dtype(vocab_size: int) -> str:
-    """The dtype of the ids on disk: uint16 while the vocabulary fits."""
-    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
-
-
-def file_dtype(name: str) -> np.dtype:
-    """Little-endian on disk whatever the machine (``tf.io.decode_raw`` reads it so)."""
-    return np.dtype(name).newbyteorder("<")
 
 
 def read_shard(ids_file: tf.Tensor, lengths_file: tf.Tensor, ids_dtype: tf.DType,
@@ -100,11 +95,7 @@ def failed_check(error: BaseException) -> str | None:
     else:
         return None
     first, second, third = (int(number) for number in numbers)
-    if kind == "ids":
-        return (f"{file}: token id {first} among its {second} ids, outside the vocabulary "
-                f"(0 to {third - 1})")
-    return (f"{file}: lengths adding up to {first} pieces (the shortest {second}) where its "
-            f".ids file holds {third}")
+    return failed_check_message(kind, file, first, second, third)
 
 
 def write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, folder: Path,

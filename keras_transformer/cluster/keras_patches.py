@@ -23,6 +23,10 @@ def build_for_distributed_fit(model, sample_batch) -> None:
         sample_batch: `(features, labels)` of one (non-distributed) batch; only shapes and
             dtypes are used.
     """
+    # Private Keras API, on purpose (checked against Keras 3.15.1): Keras exports no way to
+    # build the compiled loss/metrics from a given batch, nor to stop `fit`'s pull of one
+    # (`Model._symbolic_build`, `TensorFlowTrainer._maybe_symbolic_build`). Recheck both
+    # when upgrading Keras (tests/cluster/test_strategy.py and test_accumulation.py run this).
     features, labels = sample_batch
     with model.distribute_strategy.scope():
         model._symbolic_build(data_batch=(features, labels, None))
@@ -38,7 +42,12 @@ def patch_keras_multi_worker_logs() -> None:
     module's `reduce_per_replica` so that, in multi-worker mode only, "auto"/"mean" logs are
     averaged element-wise (`axis=None`); everything else goes to the original. Idempotent.
     """
-    from keras.src import tree
+    import keras
+
+    # Private Keras API, on purpose (checked against Keras 3.15.1): the function patched,
+    # `reduce_per_replica`, and `_collective_all_reduce_multi_worker` live only in the private
+    # module keras.src.backend.tensorflow.trainer, which `fit`/`evaluate` call them from;
+    # Keras exports no hook for how logs are reduced across workers. Recheck on upgrade.
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     original = tf_trainer.reduce_per_replica
@@ -48,7 +57,8 @@ def patch_keras_multi_worker_logs() -> None:
     def reduce_per_replica(values, strategy, reduction):
         if reduction in ("auto", "mean") and tf_trainer._collective_all_reduce_multi_worker(
                 strategy):
-            return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+            return keras.tree.map_structure(
+                lambda v: strategy.reduce("MEAN", v, axis=None), values)
         return original(values, strategy, reduction)
 
     reduce_per_replica.keras_transformer_patch = True

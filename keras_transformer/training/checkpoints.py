@@ -56,6 +56,12 @@ def save_model_weights(model: keras.Model, path: str | Path,
     Raises:
         StorageError: the disk is full or failing (`path` is untouched).
     """
+    # Private Keras API, on purpose (checked against Keras 3.15.1): this is the body of
+    # `keras.src.saving.saving_lib.save_weights_only`, which `model.save_weights` calls, but
+    # writing to an in-memory buffer (the public call takes only a path ending in .weights.h5
+    # and writes it with HDF5's own writer: not atomic, and unsafe on a full disk) and
+    # leaving the optimizer out (the public call always saves it). The file is the same
+    # `.weights.h5` format that `model.load_weights` reads. Recheck on a Keras upgrade.
     buffer = io.BytesIO()
     store = saving_lib.H5IOStore(buffer, mode="w")
     optimizer = getattr(model, "optimizer", None)

@@ -18,12 +18,15 @@ the scale. Two things make Keras' version unfit for this project's training runs
   `MultiWorkerMirroredStrategy` workers can disagree, one entering the update's all-reduce
   while the other skips it: a hang. Here the verdict is all-reduced first: every replica
   and worker skips or applies together.
+
+Under JAX a step is one program over the global batch, so its gradients are already summed
+and one verdict holds for all devices; there only the counting is added (to the stateless
+path Keras' JAX trainer takes).
 """
 
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import ops
 from keras.src.utils import tracking
 
@@ -41,6 +44,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         iterations: steps, skipped ones included (the inner optimizer's count).
     """
 
+    # Private Keras API, on purpose (checked against Keras 3.15.1): Keras exports no way to
+    # turn off an optimizer's automatic attribute tracking while it builds; its own
+    # LossScaleOptimizer.build (which creates step_counter and dynamic_scale just so) and
+    # BaseOptimizer.build use this same decorator, and `skipped_updates` is built the same
+    # way (`add_variable` tracks it; the attribute assignment must not). Recheck on upgrade.
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         self.skipped_updates = self.add_variable(
@@ -53,11 +61,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.skipped_updates.assign_add(1)
         self.inner_optimizer.iterations.assign_add(1)
 
+    def _stateless_handle_non_finite_grads(self, optimizer_variables, trainable_variables):
+        """Keras' stateless skip (JAX), counting the skipped update as a step."""
+        mapping = list(zip(self.variables, optimizer_variables, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(ops.multiply(self.dynamic_scale, 0.5))
+            self.skipped_updates.assign_add(1)
+            self.inner_optimizer.iterations.assign_add(1)
+        values = [scope.get_current_value(variable) for variable in self.variables]
+        return trainable_variables, [new if new is not None else old
+                                     for new, old in zip(values, optimizer_variables,
+                                                         strict=True)]
+
     def check_finite(self, grads):
         """True if the gradients of every replica (on every worker) are finite. Where replicas
         synchronise without `merge_call`, one scalar all-reduce here; otherwise `_tf_apply`
-        reduces the replicas' verdicts in cross-replica context."""
+        reduces the replicas' verdicts in cross-replica context. Under JAX, Keras' check
+        (the gradients are those of the global batch)."""
         finite = super().check_finite(grads)
+        if keras.backend.backend() != "tensorflow":
+            return finite
+        import tensorflow as tf  # tf.distribute's replicas
+
         context = tf.distribute.get_replica_context()
         if (context is not None and context.num_replicas_in_sync > 1
                 and tf.__internal__.distribute.strategy_supports_no_merge_call()):
@@ -67,6 +93,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return finite
 
     def _tf_apply(self, grads, trainable_variables=None):
+        import tensorflow as tf  # TensorFlow's apply: tf.distribute's replicas
+
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         if tf.__internal__.distribute.strategy_supports_no_merge_call():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 
@@ -47,10 +46,16 @@ class FusedAdam(keras.optimizers.Adam):
     Same arguments, state variables and update rule as keras' Adam (Kingma and Ba 2015,
     with epsilon added to sqrt(v), as keras does). keras updates every variable with ~11
     separate passes over it (moments, square, sqrt, divide, three assignments); TensorFlow's
-    `ResourceApplyAdam` does it in one. Sparse gradients and `amsgrad` use keras' update.
+    `ResourceApplyAdam` does it in one. Sparse gradients and `amsgrad` use keras' update, as
+    does every backend but TensorFlow (under JAX, XLA fuses keras' update: the fused op is a
+    TensorFlow fast path, chosen only there).
     """
 
     def update_step(self, gradient, variable, learning_rate):
+        if keras.backend.backend() != "tensorflow":
+            return super().update_step(gradient, variable, learning_rate)
+        import tensorflow as tf  # the TensorFlow fast path above
+
         if self.amsgrad or isinstance(gradient, tf.IndexedSlices):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype

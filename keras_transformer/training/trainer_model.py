@@ -17,14 +17,13 @@ a task owns `compile` and the train step) and Keras' own (`keras.Model` is a `La
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from keras_transformer.model.config import transformer_config
 from keras_transformer.model.transformer import Transformer
-from keras_transformer.training.accumulation import GradientAccumulator
 from keras_transformer.training.loss_scaling import LossScaleOptimizer
 
 
@@ -70,6 +69,11 @@ class TransformerTrainer(Transformer):
                 all N micro-batches), and `fit`'s steps are micro-batches while the
                 optimizer's `iterations` count updates.
             *args, **kwargs: as `keras.Model.compile`.
+
+        Raises:
+            ValueError: `accumulate_steps` is not a positive integer, or the optimizer (or a
+                `LossScaleOptimizer`'s inner one) has Keras' own `gradient_accumulation_steps`
+                (use `accumulate_steps` instead).
         """
         if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or (
                 accumulate_steps < 1):
@@ -79,6 +83,7 @@ class TransformerTrainer(Transformer):
         if args and "optimizer" in kwargs:
             raise TypeError("compile() got the optimizer both by position and by keyword")
         optimizer = keras.optimizers.get(kwargs.pop("optimizer", args[0] if args else "rmsprop"))
+        _refuse_keras_gradient_accumulation(optimizer)
         if (self.dtype_policy.name == "mixed_float16" and kwargs.get("auto_scale_loss", True)
                 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
             # Instead of keras' own (which compile would add): skipped updates count as
@@ -86,7 +91,7 @@ class TransformerTrainer(Transformer):
             optimizer = LossScaleOptimizer(optimizer)
         super().compile(optimizer, *args[1:], **kwargs)
         if accumulate_steps > 1:
-            self._accumulator = GradientAccumulator(self, accumulate_steps)
+            self._accumulator = _accumulator(self, accumulate_steps)
 
     def fit(self, *args, **kwargs):
         """`keras.Model.fit`; with `accumulate_steps` > 1 each `fit` starts a fresh update.
@@ -97,7 +102,8 @@ class TransformerTrainer(Transformer):
         if getattr(self, "_accumulator", None) is not None:
             self._accumulator.reset()
         data = args[0] if args else kwargs.get("x")
-        if isinstance(data, tf.data.Dataset | tf.distribute.DistributedDataset):
+        tf = sys.modules.get("tensorflow")  # a tf.data.Dataset means TensorFlow is imported
+        if tf is not None and isinstance(data, tf.data.Dataset | tf.distribute.DistributedDataset):
             kwargs.setdefault("shuffle", False)
         return super().fit(*args, **kwargs)
 
@@ -121,7 +127,8 @@ class TransformerTrainer(Transformer):
 
     def make_train_function(self, force: bool = False):
         """Keras' train function, or with `accumulate_steps` > 1 one call per micro-batch
-        (`GradientAccumulator.make_train_function`)."""
+        (`make_train_function` of `accumulation_tensorflow.GradientAccumulator` or
+        `accumulation_jax.JaxGradientAccumulator`)."""
         if getattr(self, "_accumulator", None) is None:
             return super().make_train_function(force)
         if self.train_function is not None and not force:
@@ -129,9 +136,45 @@ class TransformerTrainer(Transformer):
         if self.steps_per_execution != 1:
             raise ValueError("accumulate_steps > 1 needs steps_per_execution=1 (each call of "
                              "the train function is one micro-batch)")
+        if keras.backend.backend() == "jax":
+            self.train_function = self._accumulator.make_train_function(self)
+            return self.train_function
         micro = self._make_function(lambda data: self._accumulator.micro_step(self, data))
         self.train_function = self._accumulator.make_train_function(self, micro)
         return self.train_function
+
+
+def _accumulator(model: TransformerTrainer, steps: int):
+    """The gradient accumulator of the Keras backend in use (imported only there)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from keras_transformer.training.accumulation_tensorflow import GradientAccumulator
+
+        return GradientAccumulator(model, steps)
+    if backend == "jax":
+        from keras_transformer.training.accumulation_jax import JaxGradientAccumulator
+
+        return JaxGradientAccumulator(model, steps)
+    raise ValueError(f"gradient accumulation runs under the tensorflow and jax backends, "
+                     f"not {backend!r}; set KERAS_BACKEND to one of them.")
+
+
+def _refuse_keras_gradient_accumulation(optimizer: keras.optimizers.Optimizer) -> None:
+    """Raises ValueError if `optimizer`, or the inner optimizer of a loss-scale optimizer,
+    accumulates gradients itself (Keras' `gradient_accumulation_steps`)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    for candidate in (optimizer, inner):
+        steps = getattr(candidate, "gradient_accumulation_steps", None)
+        if candidate is not None and steps:
+            raise ValueError(
+                f"The optimizer {type(candidate).__name__} has gradient_accumulation_steps="
+                f"{steps}: Keras' own gradient accumulation averages the micro-batches' mean "
+                "losses (a micro-batch with few target tokens weighs as much as a full one) "
+                "and fails under MirroredStrategy (keras-team/keras#20582). Leave the "
+                "optimizer's gradient_accumulation_steps unset and pass "
+                f"accumulate_steps={steps} to compile (`python -m keras_transformer.train "
+                f"--accumulate {steps}`), which normalises by the target tokens of all "
+                "micro-batches.")
 
 
 def build_trainer(preset: str = "base", dtype=None, **overrides: Any) -> TransformerTrainer:

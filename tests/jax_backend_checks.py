@@ -1,0 +1,192 @@
+"""The JAX backend's checks, run once in a subprocess by `tests/test_jax_backend.py`.
+
+Keras chooses its backend once per process, so everything that needs JAX runs here, in one
+process started with KERAS_BACKEND=jax and two host devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=2); it writes what it measured as JSON and
+the tests assert on it. Usage: python tests/jax_backend_checks.py WORK_DIR (WORK_DIR holds
+what the TensorFlow side wrote: parity.weights.h5, parity_inputs.npz).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 40
+# The micro-batches of one update: 4 sentences of at most 9 tokens each (one shape, one XLA
+# compilation), whose real lengths reach these maxima: token counts far apart, so that a
+# mean of the micro-batches' means would weigh their tokens unequally. Even sentence
+# counts, so that two devices split them.
+MICRO_BATCH, PADDED_LENGTH, LONGEST = 4, 9, (3, 9, 6)
+
+
+def _ids(rng, batch: int, longest: int, length: int) -> np.ndarray:
+    ids = rng.integers(4, VOCAB, size=(batch, length + 1)).astype("int32")
+    for row, n in enumerate(rng.integers(2, longest + 1, size=batch)):
+        ids[row, n:] = 0
+    return ids
+
+
+def _updates(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [[(_ids(rng, MICRO_BATCH, n, PADDED_LENGTH), _ids(rng, MICRO_BATCH, n + 1,
+                                                                 PADDED_LENGTH + 1))
+             for n in LONGEST] for _ in range(count)]
+
+
+def _features(source, target):
+    return {"source": source, "target": target[:, :-1]}, target[:, 1:]
+
+
+def _batches(updates, accumulate: int):
+    """Each update as one padded batch, or as its micro-batches."""
+    for group in updates:
+        if accumulate == 1:
+            yield _features(np.concatenate([s for s, _ in group]),
+                            np.concatenate([t for _, t in group]))
+        else:
+            yield from (_features(s, t) for s, t in group)
+
+
+def _train(updates, accumulate: int, optimizer, precision=None, distribution=None):
+    """(model, initial weights) after fitting `updates`, as micro-batches if accumulate > 1."""
+    import keras
+
+    from keras_transformer.training.losses import LabelSmoothedCrossEntropy
+    from keras_transformer.training.trainer_model import build_trainer
+
+    keras.distribution.set_distribution(distribution)
+    try:
+        keras.utils.set_random_seed(0)
+        model = build_trainer("tiny", vocab_size=VOCAB, dtype=precision)
+        model.compile(optimizer, loss=LabelSmoothedCrossEntropy(0.1),
+                      accumulate_steps=accumulate)
+        initial = [np.array(w) for w in model.trainable_weights]
+        steps = len(updates) * (1 if accumulate == 1 else len(LONGEST))
+        model.fit(_batches(updates, accumulate), epochs=1, steps_per_epoch=steps, verbose=0)
+        return model, initial
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def _max_difference(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, "float64") - np.asarray(y, "float64"))))
+               for x, y in zip(a, b, strict=True))
+
+
+def _kept(model):
+    # Key biases have a zero true gradient: their Adam updates are normalised round-off.
+    return [np.array(w) for w in model.weights if not w.path.endswith("key/bias")]
+
+
+def _step(initial, model):
+    return np.concatenate([(a - np.array(w)).ravel()
+                           for a, w in zip(initial, model.trainable_weights, strict=True)])
+
+
+def check_imports() -> dict:
+    """The model and the training step import no TensorFlow under JAX."""
+    import keras  # noqa: F401
+
+    import keras_transformer.training.accumulation_jax  # noqa: F401
+    import keras_transformer.training.trainer_model  # noqa: F401
+    from keras_transformer.training.losses import GlobalTokenCrossEntropy  # noqa: F401
+    return {"backend": keras.backend.backend(), "tensorflow_imported": "tensorflow" in sys.modules}
+
+
+def check_parity(work: Path) -> dict:
+    """Logits of TensorFlow's weights under JAX, against TensorFlow's own logits."""
+    import keras
+
+    from keras_transformer.model.transformer import build_transformer
+
+    inputs = np.load(work / "parity_inputs.npz")
+    config = json.loads(str(inputs["config"]))
+    model = build_transformer(**config)
+    model.load_weights(work / "parity.weights.h5")
+    logits = np.asarray(model.predict_on_batch(  # one XLA program, not op by op
+        {"source": inputs["source"], "target": inputs["target"]}), "float64")
+    expected = inputs["tf_logits"].astype("float64")
+    relative = np.max(np.abs(logits - expected)) / np.max(np.abs(expected))
+    return {"parity_max_relative_difference": float(relative),
+            "parity_shape": list(logits.shape), "backend_of_parity": keras.backend.backend()}
+
+
+def check_accumulation() -> tuple[dict, list]:
+    """Accumulated micro-batches against one batch holding them all (Adam, 2 updates), and
+    the SGD step against the token mean of all micro-batches. Also returns the accumulated
+    SGD step, which `check_data_parallel` compares with."""
+    import keras
+
+    from keras_transformer.training.optimizer import paper_adam
+
+    updates = _updates(2)
+    one, _ = _train(updates, 1, paper_adam(32, 4, 1.0))
+    accumulated, _ = _train(updates, len(LONGEST), paper_adam(32, 4, 1.0))
+    results = {
+        "adam_iterations": [int(one.optimizer.iterations), int(accumulated.optimizer.iterations)],
+        "adam_max_difference": _max_difference(_kept(one), _kept(accumulated)),
+    }
+    sgd_updates = _updates(1, seed=1)
+    one, start_one = _train(sgd_updates, 1, keras.optimizers.SGD(1.0))
+    accumulated, start = _train(sgd_updates, len(LONGEST), keras.optimizers.SGD(1.0))
+    exact, step = _step(start_one, one), _step(start, accumulated)
+    results["sgd_same_start"] = _max_difference(start, start_one) == 0.0
+    results["sgd_relative_error"] = float(np.max(np.abs(step - exact)) / np.max(np.abs(exact)))
+    return results, step
+
+
+def check_data_parallel(single_device_step: np.ndarray) -> dict:
+    """The accumulated SGD step of `check_accumulation` over two devices
+    (keras.distribution.DataParallel), against the one on one device."""
+    import jax
+    import keras
+
+    devices = jax.devices()
+    parallel, start = _train(_updates(1, seed=1), len(LONGEST), keras.optimizers.SGD(1.0),
+                             distribution=keras.distribution.DataParallel(devices=devices))
+    step = _step(start, parallel)
+    return {"devices": len(devices),
+            "data_parallel_relative_error": float(np.max(np.abs(step - single_device_step))
+                                                  / np.max(np.abs(single_device_step))),
+            "data_parallel_iterations": int(parallel.optimizer.iterations)}
+
+
+def check_loss_scaling() -> dict:
+    """mixed_float16: an overflowing scale skips the update, which still counts as a step."""
+    from keras_transformer.training.loss_scaling import LossScaleOptimizer
+    from keras_transformer.training.optimizer import paper_adam
+
+    optimizer = LossScaleOptimizer(paper_adam(32, 4, 1.0), initial_scale=2.0**60)
+    updates = _updates(1, seed=3)
+    model, initial = _train(updates, len(LONGEST), optimizer, precision="mixed_float16")
+    return {"skipped_updates": int(model.optimizer.skipped_updates),
+            "iterations": int(model.optimizer.iterations),
+            "weights_unchanged": _max_difference(initial, model.trainable_weights) == 0.0,
+            "scale": float(model.optimizer.dynamic_scale)}
+
+
+def main(work: Path) -> None:
+    results, timings = {}, {}
+
+    def timed(name, check):
+        start = time.perf_counter()
+        value = check()
+        timings[name] = round(time.perf_counter() - start, 2)
+        return value
+
+    results["imports"] = timed("imports", check_imports)
+    results["parity"] = timed("parity", lambda: check_parity(work))
+    results["accumulation"], accumulated = timed("accumulation", check_accumulation)
+    results["data_parallel"] = timed("data_parallel", lambda: check_data_parallel(accumulated))
+    results["loss_scaling"] = timed("loss_scaling", check_loss_scaling)
+    results["seconds"] = timings
+    (work / "jax_results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

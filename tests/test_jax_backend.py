@@ -1,0 +1,107 @@
+"""The model and its training step under Keras' JAX backend (issue 36), checked on CPU.
+
+Keras picks its backend once per process, so the JAX side runs in one subprocess
+(`tests/jax_backend_checks.py`, KERAS_BACKEND=jax, two host devices) shared by every test
+here; this process (TensorFlow) writes what it compares with: a model's weights and its
+logits on real Multi30k val sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from keras_transformer.model.transformer import build_transformer
+from pipelines.constants import BOS_ID, EOS_ID
+from pipelines.textfiles import read_text_file
+from tests.cli.test_train import REPO, cli_env
+
+pytestmark = pytest.mark.integration
+
+PARITY_CONFIG = dict(preset="small", vocab_size=1000, num_layers=2)
+VAL_PAIRS = 48
+
+
+def _val_batch(multi30k_dir, model_dir):
+    """48 Multi30k val pairs as (source, target) id batches, tokenized by a 1,000-piece BPE
+    model trained here on the first 4,000 training pairs."""
+    sentences = [line for language in ("de", "en")
+                 for line in read_text_file(multi30k_dir / f"train.{language}.gz")[:4000]]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_prefix=str(model_dir / "bpe"), vocab_size=1000,
+        model_type="bpe", pad_id=0, unk_id=1, bos_id=2, eos_id=3, minloglevel=2)
+    processor = spm.SentencePieceProcessor(model_file=str(model_dir / "bpe.model"))
+    assert (processor.bos_id(), processor.eos_id()) == (BOS_ID, EOS_ID)
+    sources = [processor.encode(s) + [EOS_ID]
+               for s in read_text_file(multi30k_dir / "val.de.gz")[:VAL_PAIRS]]
+    targets = [[BOS_ID] + processor.encode(t)
+               for t in read_text_file(multi30k_dir / "val.en.gz")[:VAL_PAIRS]]
+
+    def padded(rows):
+        array = np.zeros((len(rows), max(map(len, rows))), "int32")
+        for i, row in enumerate(rows):
+            array[i, :len(row)] = row
+        return array
+
+    return padded(sources), padded(targets)
+
+
+@pytest.fixture(scope="module")
+def jax_results(tmp_path_factory, multi30k_dir) -> dict:
+    work = tmp_path_factory.mktemp("jax_backend")
+    source, target = _val_batch(multi30k_dir, work)
+    keras.utils.set_random_seed(5)
+    config = dict(PARITY_CONFIG)
+    model = build_transformer(config.pop("preset"), **config)
+    logits = np.asarray(model({"source": source, "target": target}, training=False))
+    model.save_weights(work / "parity.weights.h5")
+    np.savez(work / "parity_inputs.npz", source=source, target=target, tf_logits=logits,
+             config=json.dumps(PARITY_CONFIG))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "jax_backend_checks.py"), str(work)],
+        env=cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
+                    XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((work / "jax_results.json").read_text())
+
+
+def test_the_model_and_training_step_import_no_tensorflow_under_jax(jax_results):
+    assert jax_results["imports"] == {"backend": "jax", "tensorflow_imported": False}
+
+
+def test_tensorflow_weights_give_the_same_logits_under_jax(jax_results):
+    parity = jax_results["parity"]
+    assert parity["backend_of_parity"] == "jax"
+    assert parity["parity_shape"][0] == VAL_PAIRS and parity["parity_shape"][2] == 1000
+    assert parity["parity_max_relative_difference"] <= 1e-4
+
+
+def test_accumulation_is_exact_under_jax(jax_results):
+    accumulation = jax_results["accumulation"]
+    assert accumulation["adam_iterations"] == [2, 2]  # updates, not micro-batches
+    # Adam turns the round-off of near-zero gradients into steps of the learning rate's
+    # size (~0.03 here): a bound of a few percent of one step. The SGD step (rate 1: minus
+    # the gradient) is the exact check: the token mean over all micro-batches.
+    assert accumulation["adam_max_difference"] < 1e-3
+    assert accumulation["sgd_same_start"]
+    assert accumulation["sgd_relative_error"] < 1e-5
+
+
+def test_data_parallel_over_two_devices_gives_the_single_device_update(jax_results):
+    parallel = jax_results["data_parallel"]
+    assert parallel["devices"] == 2
+    assert parallel["data_parallel_iterations"] == 1
+    assert parallel["data_parallel_relative_error"] < 1e-5  # the SGD step, as above
+
+
+def test_mixed_float16_skips_overflowing_updates_and_counts_them_as_steps(jax_results):
+    # A scale of 2^60 overflows float16: the update is skipped, counted, and the scale halved.
+    assert jax_results["loss_scaling"] == {"skipped_updates": 1, "iterations": 1,
+                                           "weights_unchanged": True, "scale": 2.0**59}
