@@ -92,7 +92,7 @@ _EXPORTS = {
     "TrainConfig": "keras_transformer.training.config",
     "train_config": "keras_transformer.training.config",
     "run_training": "keras_transformer.training.run",
-    "TrainingDiverged": "keras_transformer.training.run",
+    "TrainingDiverged": "keras_transformer.errors",
     "UsageError": "keras_transformer.errors",
     "StorageError": "keras_transformer.errors",
     # Runs and exports.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pipelines.storage import StorageError
 
-__all__ = ["EXIT_STORAGE", "StorageError", "UsageError"]
+__all__ = ["EXIT_STORAGE", "StorageError", "TrainingDiverged", "UsageError"]
 
 # The exit status of every command when the storage failed: free space, run it again.
 EXIT_STORAGE = 4
@@ -21,3 +21,7 @@ EXIT_STORAGE = 4
 
 class UsageError(ValueError):
     """A bad setting, corpus, run directory or input: one line saying what to change."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN; the run's earlier checkpoints are kept."""

@@ -18,15 +18,18 @@ command resumes it (`inspect_run_dir`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
 from keras_transformer.errors import UsageError
-from pipelines.tokenizer import SubwordTokenizer
+
+if TYPE_CHECKING:
+    from keras_transformer.training.config import TrainConfig
 
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
@@ -59,6 +62,8 @@ def load_run(path: str | Path):
             )
 
     model = keras.models.load_model(path / MODEL_FILE, compile=False)
+    from pipelines.tokenizer import SubwordTokenizer  # TensorFlow's: only where a run loads
+
     return model, SubwordTokenizer.load(path / TOKENIZER_DIR)
 
 
@@ -139,3 +144,61 @@ def inspect_run_dir(
                           "use the original flags to resume, --overwrite to start over, or "
                           "another --out")
     return "finished" if (out / RESULTS_FILE).is_file() else "resume"
+
+
+def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
+    """What config.json records first: `identity` (must match for a resume to be allowed), the
+    model's hyperparameters, and `arguments`, the `TrainConfig`'s settings by flag name
+    (`keras_transformer.training.config.config_from_flags` rebuilds it)."""
+    model = {"preset": config.model.preset, **dataclasses.asdict(model_config)}
+    data, batches, optimization = config.data, config.batches, config.optimization
+    identity = {
+        "data": data.data, "src": data.src, "tgt": data.tgt, "train_split": data.train_split,
+        "prepared": data.prepared, "tokenizer_sample": data.tokenizer_sample,
+        "model": model, "tokens_per_batch": batches.tokens_per_batch,
+        "accumulate": batches.accumulate, "tokens_per_step": batches.tokens_per_step,
+        "max_length": data.max_length, "label_smoothing": optimization.label_smoothing,
+        "warmup_steps": optimization.warmup_steps, "lr_scale": optimization.lr_scale,
+        "seed": optimization.seed, "checkpoint_every": config.output.checkpoint_every,
+        "validate_every": config.validate_every,
+    }
+    return {"identity": identity, "model": model, "arguments": config.flags()}
+
+
+def check_resumed_data(out: Path, config: dict[str, Any]) -> None:
+    """Refuses to resume a run on other prepared data than it was trained on.
+
+    Compares `config`'s "prepared" entry (corpus fingerprint and shard count: together
+    they fix the batch stream) with what the run directory's config.json recorded, if it
+    recorded one; a changed replica count only changes the batches, and is reported.
+
+    Raises:
+        UsageError: the data differ.
+    """
+    path = out / CONFIG_FILE
+    recorded = read_json(path) if path.is_file() else {}
+    before = recorded.get("prepared")
+    if before is None:
+        return  # a fresh run
+    now = config["prepared"]
+    for key in ("corpus_fingerprint", "shards"):
+        if before.get(key) != now[key]:
+            raise UsageError(f"{out} was trained on prepared data with {key} {before.get(key)!r}, "
+                             f"{now['directory']} has {now[key]!r}: resume with the original "
+                             "--prepared data, or start another run")
+    if "step_budget" not in recorded and recorded.get("replicas", 1) > 1:
+        raise UsageError(f"{out} was started on {recorded['replicas']} replicas when "
+                         "--tokens-per-batch was a global budget (it is now per replica): its "
+                         "steps cannot be continued as they were; start it again with "
+                         "--overwrite, or another --out")
+    for key, flag in (("precision", "--precision"), ("jit_compile", "--jit-compile")):
+        # Another precision changes the optimizer's variables (loss scaling), XLA the
+        # batches: neither run could continue where the other stopped.
+        if None not in (recorded.get(key), config.get(key)) and recorded[key] != config[key]:
+            value = recorded[key] if key == "precision" else ("on" if recorded[key] else "off")
+            raise UsageError(f"{out} was trained with {key} {recorded[key]!r}, this machine "
+                             f"would use {config[key]!r}: resume with {flag} {value}")
+    if recorded.get("replicas") not in (None, config["replicas"]):
+        print(f"note: resuming with {config['replicas']} replica(s) instead of "
+              f"{recorded['replicas']}: the per-replica batches from here on differ from an "
+              "uninterrupted run's", flush=True)

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from keras_transformer.errors import UsageError
 from keras_transformer.flags import parse_train_args
 from keras_transformer.logs import show_project_logs, stop_cli_logging
 
@@ -29,11 +30,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command; returns its exit status."""
     config, dry_run = parse_train_args(argv)
     show_project_logs()
+    from keras_transformer.training.keras_backend import tensorflow_installed, use_backend
+
+    try:
+        use_backend(config.optimization.backend)  # before anything imports Keras
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     # Imported after parsing: it loads TensorFlow (~4 s), which `--help` and a refused flag
     # should not wait for.
     from keras_transformer.cluster.workers import ClusterFailure
-    from keras_transformer.errors import EXIT_STORAGE, StorageError
-    from keras_transformer.training.run import TrainingDiverged, run_training
+    from keras_transformer.errors import EXIT_STORAGE, StorageError, TrainingDiverged
+
+    if tensorflow_installed():
+        from keras_transformer.training.run import run_training
+    else:  # a GPU machine without TensorFlow: JAX trains from a folder prepared elsewhere
+        from keras_transformer.training.run_jax import train_prepared_on_jax
+
+        def run_training(config, dry_run: bool):
+            if dry_run:
+                raise UsageError("--dry-run needs TensorFlow (it reads the corpus)")
+            return train_prepared_on_jax(config)
 
     try:
         run_training(config, dry_run=dry_run)

@@ -12,6 +12,7 @@ See :mod:`pipelines.batching` for the batch format and the bucketing.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = [
     "check_budget",
     "chunk_order",
     "default_bucket_boundaries",
+    "log_dropped",
     "pair_and_batch_order",
     "plan_batches",
     "position_histogram",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 CHUNK_SEED_STRIDE = 1_000_003  # keeps the seeds of chunks, epochs and batch orders apart
+_LOG = logging.getLogger("pipelines")
 
 
 def _bucket_grid(max_length: int, first: int, fine: Sequence[tuple[int, int]], growth: float,
@@ -138,6 +141,15 @@ def position_histogram(source_pieces: np.ndarray, target_pieces: np.ndarray,
     """
     positions = np.maximum(source_pieces, target_pieces).astype(np.int64) + 1
     return np.bincount(positions[positions <= max_length], minlength=max_length + 1)
+
+
+def log_dropped(name: str, kept: int, total: int, max_length: int, unit: str) -> None:
+    """The one log line that counts pairs dropped for length (INFO if any were, else DEBUG:
+    evaluation re-batches its splits several times, and "dropped 0" each time is noise)."""
+    dropped = total - kept
+    _LOG.log(logging.INFO if dropped else logging.DEBUG,
+             "%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s", name, kept,
+             total, dropped, 100.0 * dropped / max(total, 1), max_length, unit)
 
 
 def plan_batches(histogram: np.ndarray, boundaries: Sequence[int], budget: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from pipelines import tfds_corpora
+from pipelines.batch_plan import log_dropped  # numpy alone; re-exported
 from pipelines.textfiles import CorpusError, find_parallel_files, iter_aligned, iter_text_lines
 
 __all__ = [
@@ -368,12 +369,3 @@ def batched_pairs(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[tuple
     iterator = iter(pairs)
     while chunk := list(itertools.islice(iterator, size)):
         yield [s for s, _ in chunk], [t for _, t in chunk]
-
-
-def log_dropped(name: str, kept: int, total: int, max_length: int, unit: str) -> None:
-    """The one log line that counts pairs dropped for length (INFO if any were, else DEBUG:
-    evaluation re-batches its splits several times, and "dropped 0" each time is noise)."""
-    dropped = total - kept
-    _LOG.log(logging.INFO if dropped else logging.DEBUG,
-              "%s: kept %d of %d pairs, dropped %d (%.2f%%) longer than %d %s", name, kept,
-              total, dropped, 100.0 * dropped / max(total, 1), max_length, unit)

@@ -7,6 +7,10 @@ bucketing: :mod:`pipelines.batching`)::
 
     ({"source": int32 [B, S], "target": int32 [B, T]}, labels int32 [B, T])
 
+:func:`validation_batches` gives, from the validation split's ids prepared beside the
+shards, what :func:`pipelines.batching.make_batches` gives with ``shuffle=False`` from its
+text and the tokenizer: the validation batches.
+
 The plan (token budget, buckets, where a resumed stream starts) is
 :mod:`pipelines.batch_plan`; the seeded orders of chunks, pairs and batches are TensorFlow's
 stateless Philox shuffles reproduced in numpy (:mod:`pipelines.philox`); a shard is read
@@ -28,7 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.batch_plan import StreamPosition, chunk_order, pair_and_batch_order
+from pipelines.batch_plan import (
+    StreamPosition,
+    check_budget,
+    chunk_order,
+    log_dropped,
+    pair_and_batch_order,
+    plan_batches,
+    position_histogram,
+)
 from pipelines.constants import BOS_ID, EOS_ID, PAD_ID
 from pipelines.prepared_folder import (
     DAMAGED_ADVICE,
@@ -38,7 +50,7 @@ from pipelines.prepared_folder import (
     file_dtype,
 )
 
-__all__ = ["Batch", "chunk_batches", "prepared_batches", "read_shard"]
+__all__ = ["Batch", "chunk_batches", "prepared_batches", "read_shard", "validation_batches"]
 
 Batch = tuple[dict[str, np.ndarray], np.ndarray]  # ({"source", "target"}, labels)
 
@@ -55,7 +67,11 @@ def read_shard(folder: PreparedFolder, shard: int) -> tuple[np.ndarray, np.ndarr
         that do not add up to the ids (the message of
         :func:`pipelines.prepared.damaged_shard`).
     """
-    entry = folder.manifest["shards"][shard]
+    return _read_files(folder, folder.manifest["shards"][shard])
+
+
+def _read_files(folder: PreparedFolder, entry: dict) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`read_shard` of the files of a manifest entry (a shard, or the validation's)."""
     ids_file, lengths_file = folder.directory / entry["ids"], folder.directory / entry["lengths"]
     raw = _read(ids_file, file_dtype(folder.manifest["id_dtype"]))
     lengths = _read(lengths_file, file_dtype("int32"), group=2)
@@ -121,6 +137,81 @@ def prepared_batches(
                          plan.ends, plan.boundaries, seed=plan.seed, shuffle=shuffle,
                          repeat=repeat, start=plan.start,
                          static_budget=plan.budget if static_shapes else None)
+
+
+def validation_batches(
+    folder: PreparedFolder | str | os.PathLike,
+    *,
+    tokens_per_batch: int,
+    max_length: int | None = None,
+    seed: int = 0,
+    num_input_pipelines: int = 1,
+    input_pipeline_id: int = 0,
+    num_replicas: int = 1,
+    bucket_boundaries: Sequence[int] | None = None,
+    static_shapes: bool = False,
+) -> list[Batch]:
+    """One pass over the validation split of a prepared folder: the batches that
+    ``pipelines.batching.make_batches(val, tokenizer, shuffle=False, ...)`` yields with the
+    same arguments (``input_context`` given as its three numbers), array for array, in the
+    same order, read from the token ids prepared with the training shards
+    (:func:`pipelines.shard_files.write_validation`) instead of tokenizing the text.
+
+    As ``make_batches``: pipeline ``i`` of ``n`` takes pairs ``i, i + n, ...``; pairs longer
+    than ``max_length`` positions are dropped (and counted in the same log line); the rest
+    are sorted by bucket (stably: corpus order within one) and cut by the token budget
+    (``tokens_per_batch // num_replicas`` a batch), the batches in that order. Nothing is
+    shuffled, so ``seed`` changes nothing (taken for the same arguments).
+
+    Args:
+      folder: a :class:`PreparedFolder` (or :class:`~pipelines.prepared.PreparedCorpus`),
+        or its directory (then opened with :meth:`PreparedFolder.load`; verify it first).
+      tokens_per_batch: global token budget of one batch, split over ``num_replicas``.
+      max_length: longest pair kept, in positions; default: the prepared one. (Unlike the
+        training shards' the validation ids hold every pair, so any max_length works.)
+      seed: unused (no shuffling); as ``make_batches``.
+      num_input_pipelines, input_pipeline_id, num_replicas: those of a
+        ``tf.distribute.InputContext``.
+      bucket_boundaries, static_shapes: as :func:`pipelines.batching.make_batches`.
+
+    Returns:
+      The ``({"source", "target"}, labels)`` numpy batches of one pass.
+
+    Raises:
+      PreparedError: the folder holds no validation split (prepared by an earlier version,
+        or without one), or its files are damaged (:func:`read_shard`'s messages).
+      ValueError: invalid budget arguments, or no pair within max_length (as
+        ``make_batches``).
+    """
+    del seed  # make_batches(shuffle=False) draws nothing
+    if not isinstance(folder, PreparedFolder):
+        folder = PreparedFolder.load(folder)
+    entry = folder.check_validation()
+    if max_length is None:
+        max_length = int(folder.settings["max_length"])
+    budget, boundaries = check_budget(tokens_per_batch, max_length, num_replicas,
+                                      bucket_boundaries)
+    ids, lengths = _read_files(folder, entry)
+    starts = np.concatenate([[0], np.cumsum(lengths.sum(axis=1))])[:-1]  # of each pair's ids
+    if num_input_pipelines > 1:
+        starts, lengths = (starts[input_pipeline_id::num_input_pipelines],
+                           lengths[input_pipeline_id::num_input_pipelines])
+    keep = lengths.max(axis=1, initial=0) + 1 <= max_length
+    name = f"{entry['origin']} [{entry['split']}] {entry['src_lang']}-{entry['tgt_lang']}"
+    log_dropped(name, int(keep.sum()), len(keep), max_length, "positions (subword pieces + EOS)")
+    if not keep.any():
+        raise ValueError(f"no pair of {entry['origin']} [{entry['split']}] fits max_length="
+                         f"{max_length}; raise it")
+    starts, lengths = starts[keep], lengths[keep]
+    # The kept pairs' ids, one after the other: a chunk as read_shard returns one.
+    sizes = lengths.sum(axis=1)
+    chunk_ids = ids[np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+                    + np.arange(sizes.sum())]
+    ends = plan_batches(position_histogram(lengths[:, 0], lengths[:, 1], max_length),
+                        boundaries, budget)
+    return list(chunk_batches(1, lambda chunk: (chunk_ids, lengths), [ends], boundaries,
+                              seed=0, shuffle=False, repeat=False,
+                              static_budget=budget if static_shapes else None))
 
 
 def chunk_batches(

@@ -15,6 +15,10 @@ Layout::
     DIR/shard-00000-of-00045.ids      token ids, pair after pair: source pieces, target pieces
     DIR/shard-00000-of-00045.lengths  int32 [pairs, 2]: pieces of the source and the target
                                       (both written and read by pipelines.shard_files)
+    DIR/validation.ids, .lengths      the validation split's pairs, all, in corpus order, in
+                                      the same format (manifest: "validation"), when it was
+                                      given: validation without TensorFlow reads them
+                                      (pipelines.numpy_batches.validation_batches)
 
 Pairs go to a shard chosen at random (seeded), so every shard is a uniform sample of the
 corpus (no shard holds one domain of a concatenated corpus), and workers read whole
@@ -47,12 +51,13 @@ import tensorflow as tf
 
 from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE, shard_files, storage
 from pipelines.batching import chunk_stream
-from pipelines.corpora import CorpusScan, CorpusSplit, log_dropped, scan_corpus
+from pipelines.corpora import CorpusScan, CorpusSplit, ParallelCorpus, log_dropped, scan_corpus
 from pipelines.prepared_folder import (  # numpy alone; re-exported for every existing import
     DAMAGED_ADVICE,
     FORMAT_VERSION,
     MANIFEST_FILE,
     TOKENIZER_DIR,
+    VALIDATION,
     PreparedError,
     PreparedFolder,
     sampling_settings,
@@ -156,6 +161,8 @@ def prepare_corpus(
     scan: CorpusScan | None = None,
     subword_samples: int = 0,
     subword_alpha: float = 0.1,
+    validation: ParallelCorpus | None = None,
+    validation_split: str | None = None,
 ) -> PreparedCorpus:
     """Prepare a training split into ``directory`` (see the module docstring).
 
@@ -176,6 +183,12 @@ def prepare_corpus(
         segmented by seeded sampling (:func:`pipelines.shard_files.write_shards`), so that
         one pass over the shards is K epochs, each with its own segmentation of every pair.
       subword_alpha: the sampling's alpha (BPE-dropout's probability for a BPE model).
+      validation: the validation split, if known: its token ids are prepared too (every
+        pair, deterministic segmentation: :func:`pipelines.shard_files.write_validation`),
+        for :func:`pipelines.numpy_batches.validation_batches` (training without
+        TensorFlow). Without it the manifest has no ``"validation"`` entry.
+      validation_split: the name ``validation`` was asked for by (``--val-split``),
+        recorded beside its resolved name; default: the resolved one.
 
     Returns:
       The :class:`PreparedCorpus`.
@@ -242,6 +255,15 @@ def prepare_corpus(
         if kept == 0:
             raise ValueError(f"no pair of {split.origin} [{split.split}] fits max_length="
                              f"{max_length}; raise it")
+        validation_entry = {}  # manifests without validation data are unchanged
+        if validation is not None:
+            try:
+                validation_entry[VALIDATION] = shard_files.write_validation(
+                    validation, tokenizer, staging, validation_split)
+            except StorageError as error:
+                needed += error.needed or 0
+                raise
+            needed = storage.folder_bytes(staging)
         manifest = {
             "format_version": FORMAT_VERSION,
             "settings": settings,
@@ -252,6 +274,7 @@ def prepare_corpus(
             "id_dtype": shard_files.id_dtype(tokenizer.vocab_size),
             "tokenizer_vocab_size": tokenizer.vocab_size,
             "shards": shards,
+            **validation_entry,
             "seconds": round(time.perf_counter() - started, 1),
         }
         storage.write_json(staging / MANIFEST_FILE, manifest, indent=1)

@@ -26,12 +26,13 @@ from pipelines.batch_plan import static_shapes as planned_static_shapes
 if TYPE_CHECKING:
     from pipelines.corpora import CorpusSplit
 
-__all__ = ["DAMAGED_ADVICE", "FORMAT_VERSION", "MANIFEST_FILE", "TOKENIZER_DIR",
+__all__ = ["DAMAGED_ADVICE", "FORMAT_VERSION", "MANIFEST_FILE", "TOKENIZER_DIR", "VALIDATION",
            "PreparedError", "PreparedFolder", "StreamPlan", "failed_check_message",
            "file_dtype", "id_dtype", "sampling_settings"]
 
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+VALIDATION = "validation"  # the manifest's key, and the name of its .ids/.lengths files
 FORMAT_VERSION = 1
 DAMAGED_ADVICE = ("the prepared corpus is damaged (a failing disk or an incomplete copy); "
                   "prepare it again, or copy it again from where it was prepared")
@@ -111,7 +112,9 @@ class PreparedFolder:
             raise PreparedError(f"{path}: format {version!r}, this version reads "
                                 f"{FORMAT_VERSION}; prepare the corpus again")
         try:
-            for shard in manifest["shards"]:
+            files = [*manifest["shards"], *([manifest[VALIDATION]] if VALIDATION in manifest
+                                            else [])]
+            for shard in files:
                 for kind in ("ids", "lengths"):
                     file = directory / shard[kind]
                     size = file.stat().st_size if file.is_file() else None
@@ -131,8 +134,9 @@ class PreparedFolder:
         return cls(directory, manifest)
 
     def verify(self, shards: Sequence[int] | None = None) -> None:
-        """Recomputes the CRC-32 of every file of ``shards`` (default: all) and compares it
-        with the manifest's: what :meth:`load`'s size checks miss, bytes changed in place.
+        """Recomputes the CRC-32 of every file of ``shards`` (default: all, and the
+        validation split's files if any) and compares it with the manifest's: what
+        :meth:`load`'s size checks miss, bytes changed in place.
 
         Reads every byte (0.8 GB/s from the development machine's disk, 1.2 GB/s from the
         page cache: BENCHMARKS.md): a training run does it once before its first step. A
@@ -142,8 +146,11 @@ class PreparedFolder:
         Raises:
           PreparedError: the first file whose checksum differs, or that cannot be read.
         """
-        for index in range(self.num_shards) if shards is None else shards:
-            shard = self.manifest["shards"][index]
+        entries = [self.manifest["shards"][index]
+                   for index in (range(self.num_shards) if shards is None else shards)]
+        if shards is None and self.validation is not None:
+            entries.append(self.validation)
+        for shard in entries:
             for kind in ("ids", "lengths"):
                 recorded = shard.get(f"{kind}_crc32")
                 if recorded is None:
@@ -162,6 +169,36 @@ class PreparedFolder:
     def settings(self) -> dict[str, Any]:
         """How it was prepared: languages, vocab_size, max_length, tokenizer_sample, seed."""
         return dict(self.manifest["settings"])
+
+    @property
+    def validation(self) -> dict[str, Any] | None:
+        """The validation split's entry in the manifest, or None (prepared without one, or
+        by a version that did not prepare it): its ``split`` (the name it was opened with,
+        ``requested_split`` the one asked for), ``origin``, ``src_lang``, ``tgt_lang``,
+        ``corpus_fingerprint`` and ``pairs`` (all of them, in corpus order, whatever their
+        length), and its files as a shard's (``ids``, ``lengths``, their ``_bytes`` and
+        ``_crc32``, ``source_pieces``, ``target_pieces``)."""
+        return self.manifest.get(VALIDATION)
+
+    def check_validation(self, split: str | None = None) -> dict[str, Any]:
+        """The validation split's entry (:attr:`validation`), checked to be there and, if
+        ``split`` is given, to be that split (by the name asked for or the one opened).
+
+        Raises:
+          PreparedError: no validation data, or another split's, saying how to prepare them.
+        """
+        entry = self.validation
+        advice = ("prepare the corpus again with this version, into a new folder "
+                  f"(`python -m keras_transformer.prepare ... --val-split {split or 'SPLIT'} "
+                  "--out NEW`, then --prepared NEW)")
+        if entry is None:
+            raise PreparedError(f"{self.directory} holds no validation split (prepared by an "
+                                f"earlier version, or without one); {advice}")
+        if split is not None and split not in (entry.get("requested_split"), entry["split"]):
+            raise PreparedError(f"{self.directory} holds the validation split "
+                                f"{entry['split']!r} of {entry['origin']}, not {split!r}; "
+                                f"{advice}")
+        return entry
 
     @property
     def pairs(self) -> int:

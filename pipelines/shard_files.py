@@ -27,15 +27,18 @@ import tensorflow as tf
 
 from pipelines import storage
 from pipelines.batch_plan import position_histogram
-from pipelines.corpora import CorpusSplit, batched_pairs
+from pipelines.batching import tokenize_pairs
+from pipelines.corpora import CorpusSplit, ParallelCorpus, batched_pairs, corpus_fingerprint
 from pipelines.prepared_folder import (  # numpy alone; re-exported
+    VALIDATION,
     failed_check_message,
     file_dtype,
     id_dtype,
 )
 from pipelines.tokenizer import SubwordTokenizer
 
-__all__ = ["failed_check", "file_dtype", "id_dtype", "read_shard", "write_shards"]
+__all__ = ["failed_check", "file_dtype", "id_dtype", "read_shard", "write_shards",
+           "write_validation"]
 
 _ENCODE_BATCH = 4096  # pairs per tokenizer call while preparing
 _BUFFER_BYTES = 64 << 20  # write buffers of all shards together: flat as shards multiply
@@ -196,6 +199,45 @@ def write_shards(split: CorpusSplit, tokenizer: SubwordTokenizer, folder: Path,
             "target_pieces": int(tokens[shard, 1]), "histogram": histograms[shard].tolist(),
         })
     return shards, seen // copies
+
+
+def write_validation(corpus: ParallelCorpus, tokenizer: SubwordTokenizer, folder: Path,
+                     requested_split: str | None = None) -> dict[str, Any]:
+    """The validation split's token ids, as one shard ``folder/validation.{ids,lengths}``:
+    every pair, in corpus order, whatever its length, tokenized as
+    :func:`pipelines.batching.make_batches` tokenizes it (:func:`tokenize_pairs`), so that
+    :func:`pipelines.numpy_batches.validation_batches` can batch it as ``make_batches`` does,
+    for any max_length. Written like the shards (``folder`` is fsynced and renamed into
+    place as a whole), its CRC-32s computed from the bytes written. ``requested_split`` is
+    the name the split was asked for by (e.g. ``"val"`` for a resolved ``"validation"``),
+    recorded beside the resolved one (default: the same).
+
+    Returns:
+      The manifest's ``"validation"`` entry (:attr:`PreparedFolder.validation`).
+
+    Raises:
+      StorageError: a write failed because of the storage; ``needed``: both files' size.
+    """
+    source, target = tokenize_pairs(tokenizer, corpus.sources, corpus.targets)
+    pairs = tf.concat([source, target], axis=1)
+    lengths = np.stack([source.row_lengths().numpy(), target.row_lengths().numpy()], axis=1)
+    data = {"ids": pairs.values.numpy().astype(file_dtype(id_dtype(tokenizer.vocab_size)))
+            .tobytes(),
+            "lengths": lengths.astype(file_dtype("int32")).tobytes()}
+    entry: dict[str, Any] = {
+        "split": corpus.split, "requested_split": requested_split or corpus.split,
+        "origin": corpus.origin, "src_lang": corpus.src_lang,
+        "tgt_lang": corpus.tgt_lang, "corpus_fingerprint": corpus_fingerprint(corpus),
+        "pairs": len(corpus), "source_pieces": int(lengths[:, 0].sum()),
+        "target_pieces": int(lengths[:, 1].sum())}
+    needed = sum(len(content) for content in data.values())
+    for kind, content in data.items():
+        path = folder / f"{VALIDATION}.{kind}"
+        with storage.errors_about(path, needed), open(path, "wb") as handle:
+            handle.write(content)
+        entry.update({kind: path.name, f"{kind}_bytes": len(content),
+                      f"{kind}_crc32": f"{storage.checksum(content):08x}"})
+    return entry
 
 
 def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer) -> Iterator[tuple]:

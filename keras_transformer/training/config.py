@@ -29,6 +29,7 @@ from typing import Any
 from keras_transformer.cluster.workers import DEFAULT_JOIN_TIMEOUT
 from keras_transformer.errors import UsageError
 from keras_transformer.model.config import TransformerConfig, transformer_config
+from keras_transformer.training.keras_backend import BACKENDS
 from keras_transformer.training.precision import JIT_CHOICES, PRECISIONS
 from keras_transformer.training.recipes import RECIPES
 from keras_transformer.training.step_budget import StepBudget
@@ -261,6 +262,10 @@ class OptimizationConfig:
         "auto", "XLA-compile the train step: auto = on with GPUs, off on CPUs (slower there: "
         "BENCHMARKS.md). With XLA, batches come in a bounded set of shapes (coarser buckets, "
         "full batches), each compiled once", choices=JIT_CHOICES)
+    backend: str = _setting(
+        "tensorflow", "Keras backend of the training: jax trains (XLA always) from the prepared "
+        "folder with numpy input, then scoring and export run under TensorFlow (README: which "
+        "backend does what)", choices=BACKENDS)
 
 
 @dataclasses.dataclass

@@ -9,7 +9,6 @@ micro-batches, `accumulate` of them per optimizer step (`keras_transformer.train
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import math
 from pathlib import Path
@@ -23,16 +22,9 @@ from keras_transformer.cluster.keras_patches import build_for_distributed_fit
 from keras_transformer.cluster.workers import Cluster, any_worker, check_same_settings
 from keras_transformer.errors import UsageError
 from keras_transformer.kernels import fused_kernels
-from keras_transformer.training import backup, run_data
+from keras_transformer.training import backup
 from keras_transformer.training import callbacks as cb
-from keras_transformer.training.config import DEFAULT_MAX_STEPS, TrainConfig
-from keras_transformer.training.loss_scaling import LossScaleOptimizer
-from keras_transformer.training.losses import (
-    GlobalTokenCrossEntropy,
-    MaskedAccuracy,
-    Perplexity,
-)
-from keras_transformer.training.optimizer import paper_adam
+from keras_transformer.training.config import TrainConfig
 from keras_transformer.training.precision import (
     describe_precision,
     gpu_capabilities,
@@ -40,7 +32,11 @@ from keras_transformer.training.precision import (
     resolve_precision,
 )
 from keras_transformer.training.step_budget import StepBudget
-from keras_transformer.training.trainer_model import build_trainer
+from keras_transformer.training.training_loop import (
+    TrainingLoop,
+    compiled_trainer,
+    total_steps,
+)
 from pipelines import storage
 from pipelines.batching import make_batches, xla_bucket_boundaries
 from pipelines.prepared import damaged_shard
@@ -86,25 +82,11 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     check_same_settings({**record["identity"], **{key: record[key] for key in (
         "precision", "jit_compile", "replicas", "step_budget")}}, cluster,
         config.cluster.join_timeout)
-    run_data.check_resumed_data(out, record)
+    run_directory.check_resumed_data(out, record)
     storage.write_json(home / run_directory.CONFIG_FILE, record)
 
     with strategy.scope():
-        model = build_trainer(**record["model"], dtype=precision)
-        optimizer = paper_adam(model.config.d_model, optimization.warmup_steps,
-                               optimization.lr_scale)
-        if precision == "mixed_float16":  # steps skipped on overflow still count as steps
-            optimizer = LossScaleOptimizer(optimizer,
-                                           initial_scale=optimization.initial_loss_scale)
-        model.compile(
-            optimizer=optimizer,
-            loss=GlobalTokenCrossEntropy(optimization.label_smoothing),
-            metrics=[MaskedAccuracy(), Perplexity(), cb.TokenCount()],
-            jit_compile=jit,
-            accumulate_steps=accumulate,
-        )
-        if not model.optimizer.built:  # (accumulation builds it; building twice duplicates)
-            model.optimizer.build(model.trainable_variables)
+        model = compiled_trainer(record, optimization, precision, jit, accumulate)
     # Resume: every worker restores the chief's backup (a shared filesystem is assumed) from
     # its newest intact generation; only the chief sets damaged files aside.
     state = backup.restore_backup(model, out, repair=cluster.is_chief)
@@ -147,56 +129,22 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     val_data = strategy.distribute_datasets_from_function(
         lambda ctx: val_batches[ctx.input_pipeline_id].repeat().take(val_steps * per_pipeline))
 
-    if optimization.epochs:  # micro-batches of one replica per epoch, / replicas x accumulate
-        micro_batches = sum(len(ends) for ends in prepared.shard_batches(
-            budget.micro_batch, max_length, bucket_boundaries=shapes.get("bucket_boundaries")))
-        max_steps = max(1, math.ceil(optimization.epochs * micro_batches
-                                     / (replicas * accumulate)))
-    else:
-        max_steps = optimization.max_steps or DEFAULT_MAX_STEPS
-    validate_every = config.validate_every
-    interval = math.gcd(config.output.checkpoint_every, validate_every)
-    max_seconds = optimization.max_minutes * 60 if optimization.max_minutes else None
-    stopper = cb.StopAt(max_steps, max_seconds,
-                        elapsed_before=float(state.get("elapsed_seconds", 0.0)))
-    throughput = cb.ThroughputLogger()
-    checkpointer = cb.RunCheckpointer(
-        home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR,
-        config.output.checkpoint_every, keep=config.evaluation.average_last,
-        patience=config.evaluation.patience, stopper=stopper, state=state)
-    (home / run_directory.LOG_DIR).mkdir(parents=True, exist_ok=True)
-    callbacks = [cb.FirstStepTimer(started, _LOG.info), stopper, throughput, checkpointer,
-                 cb.ProgressLog(stopper, _LOG.info),
-                 keras.callbacks.TerminateOnNaN(),
-                 cb.MetricsLog(str(home / run_directory.LOG_DIR / "metrics.csv"), append=True)]
-    if importlib.util.find_spec("tensorboard") is not None:
-        callbacks.append(cb.StepTensorBoard(str(home / run_directory.LOG_DIR)))
-    else:  # tf.summary needs the tensorboard package; the CSV log has the same numbers
-        _LOG.info("note: tensorboard is not installed; metrics go to logs/metrics.csv only")
-    # Last: every stop is taken by all workers together, between optimizer updates.
+    max_steps = total_steps(config, prepared, budget, replicas, shapes)
     agree = any_worker(strategy) or bool
-    callbacks.append(cb.AgreedStop(agree, stopper))
-    limit = f"{max_steps:,} steps" + (f" or {optimization.max_minutes:g} min"
-                                      if optimization.max_minutes else "")
-    _LOG.info(f"training {model.count_params():,} parameters ({config.model.preset} preset, "
-              f"vocabulary {tokenizer.vocab_size}) on {prepared.describe_pairs()}: "
-              f"{budget.describe()}; "
-              f"{describe_precision(optimization.precision, precision, gpus)}, "
-              f"XLA {'on' if jit else 'off'}; " + (
-                  f"resuming at step {step:,}, until {limit}" if step else f"until {limit}")
-              + f"; a line every {interval} steps")
+    loop = TrainingLoop(config, home, state, started, max_steps, agree)
+    _LOG.info(loop.describe(model, config.model.preset, prepared, budget, tokenizer.vocab_size,
+                            step,
+                            describe_precision(optimization.precision, precision, gpus), jit))
     build_for_distributed_fit(model, next(iter(val_batches[context.input_pipeline_id])))
-    # A run that already ended (but was killed while evaluating) is not trained further.
-    # (Agreed, as every stop: workers given different --max-minutes could disagree.)
-    done = agree(bool(step >= max_steps or state.get("stopped_early") or (
-        stopper.max_seconds is not None and stopper.elapsed_before >= stopper.max_seconds)))
+    done = loop.done(step)
+    interval, validate_every = loop.interval, config.validate_every
     if not done:
         try:
             model.fit(
                 train_data, epochs=math.ceil(max_steps / interval),
                 initial_epoch=step // interval, steps_per_epoch=interval * accumulate,
                 validation_data=val_data, validation_freq=validate_every // interval,
-                callbacks=callbacks,
+                callbacks=loop.callbacks,
                 # Keras' own "Epoch 3/42" lines only with --verbose: ProgressLog counts steps.
                 verbose=2 if config.output.verbose else 0, shuffle=False,
             )
@@ -207,27 +155,9 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
             if damaged is None:
                 raise
             raise UsageError(str(damaged)) from None
-    step = cb.global_step(model)
-    return {
-        "step": step, "diverged": checkpointer.diverged,
-        "reason": stopper.reason or state.get("stop_reason") or f"reached step {step}",
-        "elapsed": stopper.elapsed if not done else stopper.elapsed_before,
-        "tokens_per_sec": throughput.total_tokens / max(throughput.total_seconds, 1e-9),
-        "best_val_loss": checkpointer.best_val_loss
-        if math.isfinite(checkpointer.best_val_loss) else None,
-        "best_step": checkpointer.best_step, "replicas": replicas,
-        "workers": cluster.num_workers,
-        "precision": precision, "jit_compile": jit,
-        "fused_kernels": fused, **loss_scaling_state(model.optimizer),
-    }
-
-
-def loss_scaling_state(optimizer) -> dict[str, Any]:
-    """The loss scale and the updates it skipped (mixed_float16), else None for both."""
-    if not hasattr(optimizer, "skipped_updates"):
-        return {"loss_scale": None, "skipped_updates": None}
-    return {"loss_scale": float(optimizer.dynamic_scale.numpy()),
-            "skipped_updates": int(optimizer.skipped_updates.numpy())}
+    return {**loop.outcome(model, done), "replicas": replicas,
+            "workers": cluster.num_workers, "precision": precision, "jit_compile": jit,
+            "fused_kernels": fused}
 
 
 def _count(dataset) -> int:

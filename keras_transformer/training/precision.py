@@ -49,6 +49,19 @@ def gpu_capabilities() -> list[tuple[int, int]]:
     return found
 
 
+def jax_gpu_capabilities() -> list[tuple[int, int]]:
+    """`gpu_capabilities` under JAX: the compute capability of each local GPU device."""
+    import jax
+
+    found = []
+    for device in jax.local_devices():
+        if device.platform == "gpu":
+            text = str(getattr(device, "compute_capability", "0.0"))
+            major, _, minor = text.partition(".")
+            found.append((int(major or 0), int(minor or 0)))
+    return found
+
+
 BF16_GPU_CAPABILITY = (8, 0)  # Ampere: bfloat16 tensor cores
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -37,12 +39,15 @@ from keras_transformer.cluster.workers import (
 )
 from keras_transformer.decoding.scoring import score_translations, validation_loss
 from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
+from keras_transformer.run_directory import run_record
 from keras_transformer.serving.saved_model import export_saved_model
-from keras_transformer.training import backup, run_data
+from keras_transformer.training import backup, fit_jax, run_data
 from keras_transformer.training.config import DEFAULT_MAX_STEPS, EvaluationConfig, TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
+from keras_transformer.training.keras_backend import check_backend, finishing_command
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.val_choice import (
     choose_on_val_bleu,
@@ -54,10 +59,6 @@ from pipelines.batching import make_batches
 from pipelines.tokenizer import SubwordTokenizer
 
 _LOG = logging.getLogger("keras_transformer")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN; the run's earlier checkpoints are kept."""
 
 
 def say(*parts: Any) -> None:
@@ -103,10 +104,17 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
     try:
         model_config = config.check()
         cluster = read_cluster()
+        on_jax = config.optimization.backend == "jax"
+        check_backend(config.optimization.backend)
+        if on_jax:
+            if cluster.num_workers > 1:
+                raise UsageError("--backend jax trains on one machine; several workers "
+                                 "(TF_CONFIG) train with --backend tensorflow.")
         # Before any other TF work (multi-worker needs it), and before the corpora: the
         # step's budget depends on the replicas and is refused before anything is read.
-        strategy = select_strategy(cluster, config.cluster.join_timeout)
-        budget = config.batches.budget(strategy.num_replicas_in_sync, config.data.max_length)
+        strategy = None if on_jax else select_strategy(cluster, config.cluster.join_timeout)
+        budget = config.batches.budget(1 if on_jax else strategy.num_replicas_in_sync,
+                                       config.data.max_length)
         corpora = run_data.load_corpora(config)
         record = run_record(config, model_config)
         out, chief = Path(config.output.out), cluster.is_chief
@@ -147,11 +155,17 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
     # every worker must save (variables may need collective reads), only the chief's count.
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
     try:
-        data = run_data.training_data(config, corpora["train"], prepared, scan, cluster, say)
+        data = run_data.training_data(config, corpora["train"], prepared, scan, cluster, say,
+                                      validation=corpora["val"])
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
-        outcome = train_model(config, record, corpora, data, strategy, cluster, budget, out,
-                              home, started)
+        if on_jax:
+            outcome = fit_jax.train_model(config, record, data,
+                                          fit_jax.validation(config, corpora, data, budget),
+                                          budget, out, started)
+        else:
+            outcome = train_model(config, record, corpora, data, strategy, cluster, budget,
+                                  out, home, started)
     except Exception as error:
         # A bad setting here, or another worker's refusal or loss (an aborted collective).
         failure = error if isinstance(error, ValueError | ClusterFailure) else cluster_error(
@@ -179,6 +193,8 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         say(f"{cluster.describe()}: trained to step {outcome['step']} ({outcome['reason']}); "
             "the chief evaluates and exports")
         return {"step": outcome["step"], "stop_reason": outcome["reason"], "chief": False}
+    if on_jax:  # decoding, test BLEU and the SavedModel are TensorFlow's
+        return finish_with_tensorflow(config)
     return finish_run(config, record, corpora, outcome)
 
 
@@ -189,25 +205,6 @@ def _refused(error: Exception, cluster: Cluster | None) -> Exception:
     if not isinstance(error, PeerRefused):
         report_refusal(str(error), cluster)
     return error
-
-
-def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
-    """What config.json records first: `identity` (must match for a resume to be allowed), the
-    model's hyperparameters, and `arguments`, the `TrainConfig`'s settings by flag name
-    (`keras_transformer.training.config.config_from_flags` rebuilds it)."""
-    model = {"preset": config.model.preset, **dataclasses.asdict(model_config)}
-    data, batches, optimization = config.data, config.batches, config.optimization
-    identity = {
-        "data": data.data, "src": data.src, "tgt": data.tgt, "train_split": data.train_split,
-        "prepared": data.prepared, "tokenizer_sample": data.tokenizer_sample,
-        "model": model, "tokens_per_batch": batches.tokens_per_batch,
-        "accumulate": batches.accumulate, "tokens_per_step": batches.tokens_per_step,
-        "max_length": data.max_length, "label_smoothing": optimization.label_smoothing,
-        "warmup_steps": optimization.warmup_steps, "lr_scale": optimization.lr_scale,
-        "seed": optimization.seed, "checkpoint_every": config.output.checkpoint_every,
-        "validate_every": config.validate_every,
-    }
-    return {"identity": identity, "model": model, "arguments": config.flags()}
 
 
 def describe_plan(config: TrainConfig, model_config, corpora: dict[str, Any],
@@ -380,3 +377,23 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
         if path and (not isinstance(path, Path) or path.exists()):
             _LOG.info(f"{label:<14} {path}")
     _LOG.info(line)
+
+
+def finish_with_tensorflow(config: TrainConfig) -> dict[str, Any]:
+    """Ends a JAX run (`--backend jax`): the same command with `--backend tensorflow`
+    (`keras_backend.finishing_command`) finds it trained, and averages, scores and exports it
+    in a TensorFlow process. Returns the run's results.
+
+    Raises:
+        UsageError: the finishing command failed (its output was shown).
+    """
+    record = run_directory.read_json(Path(config.output.out) / run_directory.CONFIG_FILE)
+    command = finishing_command(config, record["precision"])
+    shown = " ".join(["python", *command[1:]])
+    say(f"trained on JAX; averaging, scoring and exporting under TensorFlow: {shown}")
+    status = subprocess.run(command, env={**os.environ, "KERAS_BACKEND": "tensorflow"}
+                            ).returncode
+    if status != 0:
+        raise UsageError(f"finishing the JAX run under TensorFlow failed (exit {status}); "
+                         f"run it again: {shown}")
+    return run_directory.read_json(Path(config.output.out) / run_directory.RESULTS_FILE)

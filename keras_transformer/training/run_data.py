@@ -35,7 +35,7 @@ PREPARE_WAIT_SECONDS = 3 * 3600
 
 if TYPE_CHECKING:
     from keras_transformer.cluster.workers import Cluster
-    from pipelines.corpora import CorpusScan, CorpusSplit
+    from pipelines.corpora import CorpusScan, CorpusSplit, ParallelCorpus
     from pipelines.prepared import PreparedCorpus
 
 
@@ -148,9 +148,12 @@ def scan_training_text(config: TrainConfig, train_split: CorpusSplit,
 
 def training_data(config: TrainConfig, train_split: CorpusSplit | None,
                   prepared: PreparedCorpus | None, scan: CorpusScan | None, cluster: Cluster,
-                  report: Callable[[str], None]) -> PreparedCorpus:
-    """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`),
-    or, on other workers, read once the chief has it.
+                  report: Callable[[str], None],
+                  validation: ParallelCorpus | None = None) -> PreparedCorpus:
+    """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`,
+    with the token ids of `validation`, the run's val split, if given:
+    `pipelines.numpy_batches.validation_batches` reads them), or, on other workers, read
+    once the chief has it.
 
     In a multi-worker run every worker waits at one barrier until the chief has the data
     (up to PREPARE_WAIT_SECONDS); a worker lost meanwhile fails it at once. Data read here
@@ -172,7 +175,8 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
                 train_split, directory, vocab_size=data.vocab_size, max_length=data.max_length,
                 tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
                 min_shards=cluster.num_workers, seed=config.optimization.seed, scan=scan,
-                subword_samples=data.subword_samples, subword_alpha=data.subword_alpha)
+                subword_samples=data.subword_samples, subword_alpha=data.subword_alpha,
+                validation=validation, validation_split=data.val_split)
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
     if cluster.is_multi_worker:
@@ -214,40 +218,3 @@ def copy_tokenizer(prepared: PreparedCorpus, home: Path) -> None:
         tokenizer.save(run_tokenizer)
 
 
-def check_resumed_data(out: Path, config: dict[str, Any]) -> None:
-    """Refuses to resume a run on other prepared data than it was trained on.
-
-    Compares `config`'s "prepared" entry (corpus fingerprint and shard count: together
-    they fix the batch stream) with what the run directory's config.json recorded, if it
-    recorded one; a changed replica count only changes the batches, and is reported.
-
-    Raises:
-        UsageError: the data differ.
-    """
-    path = out / run_directory.CONFIG_FILE
-    recorded = run_directory.read_json(path) if path.is_file() else {}
-    before = recorded.get("prepared")
-    if before is None:
-        return  # a fresh run
-    now = config["prepared"]
-    for key in ("corpus_fingerprint", "shards"):
-        if before.get(key) != now[key]:
-            raise UsageError(f"{out} was trained on prepared data with {key} {before.get(key)!r}, "
-                             f"{now['directory']} has {now[key]!r}: resume with the original "
-                             "--prepared data, or start another run")
-    if "step_budget" not in recorded and recorded.get("replicas", 1) > 1:
-        raise UsageError(f"{out} was started on {recorded['replicas']} replicas when "
-                         "--tokens-per-batch was a global budget (it is now per replica): its "
-                         "steps cannot be continued as they were; start it again with "
-                         "--overwrite, or another --out")
-    for key, flag in (("precision", "--precision"), ("jit_compile", "--jit-compile")):
-        # Another precision changes the optimizer's variables (loss scaling), XLA the
-        # batches: neither run could continue where the other stopped.
-        if None not in (recorded.get(key), config.get(key)) and recorded[key] != config[key]:
-            value = recorded[key] if key == "precision" else ("on" if recorded[key] else "off")
-            raise UsageError(f"{out} was trained with {key} {recorded[key]!r}, this machine "
-                             f"would use {config[key]!r}: resume with {flag} {value}")
-    if recorded.get("replicas") not in (None, config["replicas"]):
-        print(f"note: resuming with {config['replicas']} replica(s) instead of "
-              f"{recorded['replicas']}: the per-replica batches from here on differ from an "
-              "uninterrupted run's", flush=True)

@@ -1,5 +1,6 @@
 """`python -m keras_transformer.prepare` and `train --prepared`: prepare once, train from it
-(as on another machine), refuse mismatched or damaged preparations, validate before creating."""
+(as on another machine), refuse mismatched or damaged preparations, validate before creating;
+the validation split's token ids prepared too (--val-split)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.prepare import main as prepare_main
 from keras_transformer.train import main as train_main
+from pipelines.corpora import corpus_fingerprint, load_corpus
 from tests.cli.test_train import REPO, TINY, cli_env, write_toy_corpus
 from tests.pipelines.test_prepared import PAGE, full_disk
 
@@ -27,12 +29,26 @@ def test_prepare_then_train_from_the_prepared_directory_elsewhere(tmp_path, caps
     manifest = json.loads((prepared / "manifest.json").read_text())
     kept = manifest["pairs_kept"]
     assert 150 < kept <= 200 and manifest["pairs_total"] == 200  # some exceed --max-length 32
-    assert f"prepared {kept} of 200 pairs (4 shards" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"prepared {kept} of 200 pairs (4 shards" in printed
     assert sum(shard["pairs"] for shard in manifest["shards"]) == kept
+    # The val split (train's default --val-split) too, every pair of it.
+    validation = manifest["validation"]
+    assert (validation["split"], validation["requested_split"], validation["pairs"]) == (
+        "val", "val", 20)
+    assert validation["corpus_fingerprint"] == corpus_fingerprint(
+        load_corpus(data, "val", "xx", "yy"))
+    assert f"validation: the 20 pairs of {data} [val]" in printed
 
-    # "Another machine": the prepared directory copied elsewhere, the training text gone.
+    # "Another machine": the prepared directory copied elsewhere, the training text gone;
+    # and without its validation split, as an earlier version prepared it: TensorFlow's
+    # training validates on the val text, as before.
     copied = tmp_path / "machine-b" / "prepared"
     shutil.copytree(prepared, copied)
+    for kind in ("ids", "lengths"):
+        (copied / validation[kind]).unlink()
+    del manifest["validation"]
+    (copied / "manifest.json").write_text(json.dumps(manifest))
     (data / "train.xx").unlink()
     (data / "train.yy").unlink()
     out = tmp_path / "machine-b" / "run"
@@ -47,6 +63,38 @@ def test_prepare_then_train_from_the_prepared_directory_elsewhere(tmp_path, caps
     assert (out / "tokenizer" / "spm.model").read_bytes() == (
         copied / "tokenizer" / "spm.model").read_bytes()
     assert json.loads((out / "results.json").read_text())["steps"] == 4
+
+
+def test_the_validation_split_to_prepare(tmp_path, capsys):
+    data = write_toy_corpus(tmp_path / "corpus", pairs=40)
+
+    def prepare(*flags: str) -> tuple[int, dict | None, str, str]:
+        out = tmp_path / f"prepared-{len(list(tmp_path.iterdir()))}"
+        status = prepare_main(["--data", str(data), *PREPARE, *flags, "--out", str(out)])
+        printed = capsys.readouterr()
+        manifest = json.loads((out / "manifest.json").read_text()) if status == 0 else None
+        assert status != 0 or (manifest is not None and out.is_dir())
+        return status, manifest and manifest.get("validation"), printed.out, printed.err
+
+    status, validation, _, _ = prepare("--val-split", "test")
+    assert status == 0 and (validation["split"], validation["pairs"]) == ("test", 20)
+    status, validation, out, _ = prepare("--val-split", "none")
+    assert status == 0 and validation is None and "\nvalidation: " not in out
+    # A --val-split given must exist; the default may be absent (a note says so).
+    status, _, _, err = prepare("--val-split", "nosuch")
+    assert status == 2 and err.startswith("error: val data: ") and "no split 'nosuch'" in err
+    assert len(err.splitlines()) == 1
+    for kind in ("xx", "yy"):
+        (data / f"val.{kind}").unlink()
+    status, validation, out, _ = prepare()
+    assert status == 0 and validation is None
+    assert "note: no validation split prepared" in out and "give --val-split" in out
+    # An invalid val split is refused before anything is written.
+    (data / "val.xx").write_text("ba\n\n")
+    (data / "val.yy").write_text("ka\nko\n")
+    status, _, _, err = prepare()
+    assert status == 2 and "val data: " in err and "val.xx: line 2 is empty" in err
+    assert not list(tmp_path.glob(".prepared*"))
 
 
 def test_train_refuses_a_preparation_made_with_other_settings(tmp_path, capsys):

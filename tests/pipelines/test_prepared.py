@@ -654,6 +654,8 @@ def test_each_shard_file_has_its_crc32_in_the_manifest(prepared):
             data = (prepared.directory / shard[kind]).read_bytes()
             assert shard[f"{kind}_crc32"] == f"{zlib.crc32(data):08x}"
     prepared.verify()
+    # Prepared without a validation split: the manifest is as before it could hold one.
+    assert "validation" not in prepared.manifest and prepared.validation is None
 
 
 @pytest.mark.parametrize("kind", ["ids", "lengths"])

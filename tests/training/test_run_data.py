@@ -1,5 +1,5 @@
 """A run's data: a run is resumed only on the data, precision and XLA mode it was trained
-with."""
+with; the data a run prepares hold its val split's token ids."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from keras_transformer.errors import UsageError
 
 
 def test_a_run_started_with_a_global_tokens_per_batch_on_replicas_is_not_resumed(tmp_path):
-    from keras_transformer.training.run_data import check_resumed_data
+    from keras_transformer.run_directory import check_resumed_data
 
     prepared = {"directory": "p", "corpus_fingerprint": "f", "shards": 1}
     (tmp_path / "config.json").write_text(json.dumps({"replicas": 2, "prepared": prepared}))
@@ -22,7 +22,7 @@ def test_a_run_started_with_a_global_tokens_per_batch_on_replicas_is_not_resumed
 
 
 def test_a_run_is_not_resumed_in_another_precision_or_xla_mode(tmp_path):
-    from keras_transformer.training.run_data import check_resumed_data
+    from keras_transformer.run_directory import check_resumed_data
 
     prepared = {"directory": "p", "corpus_fingerprint": "f", "shards": 1}
     recorded = {"replicas": 1, "prepared": prepared, "step_budget": {}, "jit_compile": False,
@@ -33,3 +33,22 @@ def test_a_run_is_not_resumed_in_another_precision_or_xla_mode(tmp_path):
     with pytest.raises(UsageError, match="--jit-compile off"):
         check_resumed_data(tmp_path, {**recorded, "jit_compile": True})
     check_resumed_data(tmp_path, recorded)
+
+
+def test_the_data_a_run_prepares_hold_its_val_split(tmp_path):
+    from keras_transformer.cluster.workers import Cluster
+    from keras_transformer.training.config import train_config
+    from keras_transformer.training.run_data import load_corpora, scan_training_text, training_data
+    from pipelines.corpora import corpus_fingerprint
+    from tests.cli.test_train import write_toy_corpus
+
+    data = write_toy_corpus(tmp_path / "corpus", pairs=40)
+    config = train_config(data=str(data), src="xx", tgt="yy", vocab_size=300, max_length=32,
+                          out=str(tmp_path / "run"), prepared=str(tmp_path / "prepared"))
+    corpora = load_corpora(config)
+    scan = scan_training_text(config, corpora["train"], print)
+    prepared = training_data(config, corpora["train"], None, scan, Cluster(), print,
+                             validation=corpora["val"])
+    entry = prepared.check_validation(config.data.val_split)
+    assert entry["pairs"] == len(corpora["val"]) == 20
+    assert entry["corpus_fingerprint"] == corpus_fingerprint(corpora["val"])

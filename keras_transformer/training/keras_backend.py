@@ -1,0 +1,75 @@
+"""Which Keras backend a run trains on (`--backend`), chosen before Keras is imported.
+
+Keras reads `KERAS_BACKEND` once, when it is first imported, and a process cannot switch
+afterwards. So the train command sets it from `--backend` right after parsing its flags (it
+imports no Keras before), and a run asking for another backend than the loaded one is
+refused with what to do. Under `jax` the training itself runs (`fit_jax`); decoding, test
+BLEU and the SavedModel are TensorFlow's, so a JAX run ends by running the same command with
+`--backend tensorflow`, which finds the run trained and only finishes it (or, where
+TensorFlow is not installed, by naming that command).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from keras_transformer.errors import UsageError
+
+BACKENDS = ("tensorflow", "jax")
+
+
+def use_backend(name: str) -> None:
+    """Makes Keras load `name` (sets `KERAS_BACKEND` if Keras is not imported yet).
+
+    Raises:
+        UsageError: Keras already runs another backend, or `name`'s package is missing.
+    """
+    if not _installed(name):
+        raise UsageError(f"--backend {name}: the {name} package is not installed "
+                         f"(pip install {'jax' if name == 'jax' else 'tensorflow'}).")
+    if "keras" not in sys.modules:
+        os.environ["KERAS_BACKEND"] = name
+    check_backend(name)
+
+
+def check_backend(name: str) -> None:
+    """Raises UsageError unless Keras runs (or will run) on `name`."""
+    loaded = (sys.modules["keras"].backend.backend() if "keras" in sys.modules
+              else os.environ.get("KERAS_BACKEND", "tensorflow"))
+    if loaded != name:
+        raise UsageError(
+            f"this run trains with --backend {name}, but Keras already runs on {loaded} in "
+            f"this process (Keras chooses its backend once, when it is imported): run "
+            f"`python -m keras_transformer.train ... --backend {name}`, or set "
+            f"KERAS_BACKEND={name} before importing keras.")
+
+
+def tensorflow_installed() -> bool:
+    """Whether TensorFlow can be imported here (decoding, scoring and export need it)."""
+    return _installed("tensorflow")
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a finder refused it, or sys.modules holds None
+        return False
+
+
+def finishing_command(config: Any, precision: str) -> list[str]:
+    """The train command that finishes a JAX-trained run under TensorFlow: `config`'s
+    (a `TrainConfig`; not imported here, which `training.config` imports) flags
+    with `--backend tensorflow`, its training precision and XLA (the run directory's batches),
+    without `--overwrite`. It finds the run trained, so it averages, scores and exports."""
+    flags = {**config.flags(), "backend": "tensorflow", "overwrite": False,
+             "precision": precision, "jit_compile": "on"}
+    command = [sys.executable, "-m", "keras_transformer.train"]
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        command += [flag] if value is True else [flag, str(value)]
+    return command

@@ -1,0 +1,92 @@
+"""A JAX run where TensorFlow is not installed (a GPU machine): `train --backend jax --prepared
+DIR`, from a folder prepared elsewhere.
+
+Everything that needs no TensorFlow, as `run.run_training` does it: the run directory
+(refused, resumed or finished as there), training from the prepared shards
+(`fit_jax.train_model`), validation by exact loss on the folder's val split, backups and
+resume, and the weights chosen on val loss (6.1's averages or the best checkpoint) in
+model.keras. Decoding, test BLEU and the SavedModel are TensorFlow's: the run ends with one
+line naming the command that finishes it on a machine with TensorFlow (the same flags with
+`--backend tensorflow`; it finds the run trained and only finishes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from keras_transformer import run_directory
+from keras_transformer.decoding.scoring import validation_loss
+from keras_transformer.errors import TrainingDiverged, UsageError
+from keras_transformer.model.transformer import build_transformer
+from keras_transformer.training import fit_jax
+from keras_transformer.training.config import TrainConfig
+from keras_transformer.training.final_weights import choose_final_weights
+from keras_transformer.training.keras_backend import check_backend, finishing_command
+from pipelines import storage
+from pipelines.prepared_folder import PreparedFolder
+
+_LOG = logging.getLogger("keras_transformer")
+
+
+
+def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
+                          ) -> dict[str, Any]:
+    """Trains `config` on JAX from `config.data.prepared`, without TensorFlow.
+
+    Returns:
+        What training reports (steps, stop reason, best val loss, the weights chosen), with
+        "finished": False and "finish_command": the command that scores and exports the run.
+
+    Raises:
+        UsageError: no --prepared folder, a damaged one, or a bad setting or run directory.
+    """
+    started = time.perf_counter()
+    check_backend("jax")
+    if not config.data.prepared:
+        raise UsageError("without TensorFlow, --backend jax trains from a folder prepared on "
+                         "a machine with TensorFlow: pass --prepared DIR (made by python -m "
+                         "keras_transformer.prepare).")
+    model_config = config.check()
+    folder = PreparedFolder.load(config.data.prepared)
+    folder.verify()
+    record = run_directory.run_record(config, model_config)
+    out = Path(config.output.out)
+    mode = run_directory.inspect_run_dir(out, record["identity"],
+                                         overwrite=config.output.overwrite,
+                                         resume=config.output.resume)
+    if mode == "finished":
+        return run_directory.read_json(out / run_directory.RESULTS_FILE)
+    if mode == "fresh" and out.exists():
+        shutil.rmtree(out)  # --overwrite (checked above)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = out / run_directory.TOKENIZER_DIR
+    if not tokenizer.exists():  # the finishing command decodes with it
+        shutil.copytree(folder.directory / run_directory.TOKENIZER_DIR, tokenizer)
+    budget = config.batches.budget(1, config.data.max_length)
+    validation = fit_jax.validation(config, None, folder, budget)
+    outcome = fit_jax.train_model(config, record, folder, validation, budget, out, started)
+    if outcome["diverged"]:
+        raise TrainingDiverged(
+            f"the loss became NaN at step {outcome['step']}; lower --lr-scale or raise "
+            f"--warmup-steps. Earlier checkpoints are in {out / run_directory.CHECKPOINT_DIR}.")
+    model = build_transformer(**record["model"])
+    smoothing = config.optimization.label_smoothing
+    choice = choose_final_weights(
+        model, out / run_directory.CHECKPOINT_DIR, outcome["best_step"],
+        config.evaluation.average_last,
+        lambda candidate: validation_loss(candidate, validation, smoothing))
+    with storage.replacing(out / run_directory.MODEL_FILE) as temporary:
+        model.save(temporary)
+    command = finishing_command(config, outcome["precision"])
+    say(f"trained to step {outcome['step']} ({outcome['reason']}) on JAX; model.keras holds "
+        f"{choice['reason']}.\nTo choose the decoding, score test BLEU and export, run on a "
+        f"machine with TensorFlow (the same command, --backend tensorflow):\n"
+        f"python {' '.join(command[1:])}")
+    return {**outcome, "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
+            "final_val_loss": choice["val_loss"], "finished": False,
+            "finish_command": " ".join(["python", *command[1:]])}

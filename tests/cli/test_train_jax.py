@@ -1,0 +1,124 @@
+"""`train --backend jax` as on a GPU machine without TensorFlow, checked on CPU: a folder
+prepared here (with TensorFlow), then JAX training from it in processes that cannot import
+TensorFlow; a run SIGKILLed mid-update resumes to the uninterrupted run's very weights
+(dropout's random state included); the line it ends with finishes the run under TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from keras_transformer.training.backup import newest_step
+from tests.cli.test_train import REPO, cli_env, write_toy_corpus
+
+pytestmark = pytest.mark.slow
+
+# The train command in a process where TensorFlow (and the tokenizer libraries) cannot be
+# imported, as on the GPU machines; it SIGKILLs itself after its KILL_AT-th micro-batch when
+# KILL_AT is set (a callback placed there by this test only).
+WITHOUT_TENSORFLOW = textwrap.dedent(
+    """
+    import os, signal, sys
+
+    class NoTensorFlow:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("tensorflow", "tensorflow_text", "tensorflow_datasets",
+                                      "sentencepiece"):
+                raise ImportError(f"{name} is blocked: this test's machine has no TensorFlow")
+
+    sys.meta_path.insert(0, NoTensorFlow())
+    if os.environ.get("KILL_AT"):
+        os.environ["KERAS_BACKEND"] = "jax"  # as --backend jax would, before Keras loads
+        from keras_transformer.training import callbacks
+
+        trained, original = 0, callbacks.FirstStepTimer.on_train_batch_end
+
+        def on_train_batch_end(self, batch, logs=None):
+            global trained
+            original(self, batch, logs)
+            trained += 1
+            if trained == int(os.environ["KILL_AT"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        callbacks.FirstStepTimer.on_train_batch_end = on_train_batch_end
+    from keras_transformer.train import main
+
+    status = main(sys.argv[1:])
+    assert "tensorflow" not in sys.modules
+    sys.exit(status)
+    """
+)
+STEPS, EVERY, ACCUMULATE = 8, 4, 2
+
+
+def _train(data, prepared, out, **environment):
+    flags = ["--backend", "jax", "--data", str(data), "--src", "xx", "--tgt", "yy",
+             "--prepared", str(prepared), "--preset", "tiny", "--vocab-size", "300",
+             "--max-length", "32", "--tokens-per-batch", "256", "--accumulate",
+             str(ACCUMULATE), "--dropout", "0.3", "--precision", "float32",
+             "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--average-last", "2",
+             "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out)]
+    return subprocess.run([sys.executable, "-c", WITHOUT_TENSORFLOW, *flags], cwd=REPO,
+                          env=cli_env(JAX_PLATFORMS="cpu", **environment),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _weights(path) -> dict[str, np.ndarray]:
+    found = {}
+    with h5py.File(path, "r") as file:
+        file.visititems(lambda name, item: found.setdefault(name, item[()])
+                        if isinstance(item, h5py.Dataset) else None)
+    return found
+
+
+def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_command(
+        tmp_path):
+    data, prepared = write_toy_corpus(tmp_path / "corpus"), tmp_path / "prepared"
+    made = subprocess.run(
+        [sys.executable, "-m", "keras_transformer.prepare", "--data", str(data), "--src", "xx",
+         "--tgt", "yy", "--vocab-size", "300", "--max-length", "32", "--out", str(prepared)],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+
+    uninterrupted = _train(data, prepared, reference)
+    assert uninterrupted.returncode == 0, (uninterrupted.stdout[-3000:]
+                                           + uninterrupted.stderr[-3000:])
+    log = uninterrupted.stdout
+    assert "Keras on JAX" in log and f"until {STEPS} steps" in log
+    # It ends by naming the command that finishes the run where TensorFlow is.
+    finish = [line for line in log.splitlines() if line.startswith("python -m ")]
+    assert len(finish) == 1 and "--backend tensorflow" in finish[0], log[-3000:]
+    assert (reference / "model.keras").is_file() and (reference / "tokenizer").is_dir()
+
+    # Killed after update 5 and the first micro-batch of update 6; the last backup is at 4.
+    victim = _train(data, prepared, resumed, KILL_AT=str(ACCUMULATE * (EVERY + 1) + 1))
+    assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
+    assert newest_step(resumed / "backup") == EVERY
+    finished = _train(data, prepared, resumed)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
+    assert f"resuming at step {EVERY}, until {STEPS} steps" in finished.stdout
+    # The same weights, bit for bit: data position, optimizer state and dropout's seeds
+    # restored.
+    last = f"checkpoints/ckpt-{STEPS:08d}.weights.h5"
+    expected, actual = _weights(reference / last), _weights(resumed / last)
+    assert expected.keys() == actual.keys() and len(expected) > 10
+    assert all(np.array_equal(expected[name], actual[name]) for name in expected)
+
+    # The finishing command, on this machine (TensorFlow): scores and exports nothing more
+    # than it is asked (--no-export), from the JAX-trained weights.
+    command = finish[0].split()[1:]
+    done = subprocess.run([sys.executable, *command], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads((reference / "results.json").read_text())
+    assert results["steps"] == STEPS and 0.0 <= results["bleu"] <= 100.0
+    assert "tok:13a" in results["bleu_signature"]
