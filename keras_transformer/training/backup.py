@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_transformer import run_directory
 from keras_transformer.errors import UsageError
@@ -44,8 +45,35 @@ WEIGHTS_FILE = "model_and_optimizer.weights.h5"  # Keras reads the .weights.h5 f
 STATE_FILE = "state.json"
 # The one backup of runs started before generations (state.next.json: written first).
 LEGACY_WEIGHTS_FILE, LEGACY_NEXT_STATE_FILE = "latest.weights.h5", "state.next.json"
+SEEDS_KEY = "random_states"  # state.json: the dropout generators' states
 _PREFIX = "step-"
 _LOG = logging.getLogger("keras_transformer")
+
+
+def _seed_variables(model: keras.Model) -> list:
+    """The states of the model's `keras.random.SeedGenerator`s (dropout's), in layer order:
+    non-trainable variables that Keras' weight files leave out."""
+    return [variable for variable in model.non_trainable_variables
+            if variable.name == "seed_generator_state"]
+
+
+def random_states(model: keras.Model) -> list[list[int]]:
+    """Where each of the model's random generators is (dropout's masks from here on), as
+    JSON: backed up with the weights, so that a resumed run draws the masks the
+    uninterrupted run would have drawn, on either backend."""
+    return [[int(value) for value in np.asarray(variable.numpy()).ravel()]
+            for variable in _seed_variables(model)]
+
+
+def restore_random_states(model: keras.Model, states: list[list[int]]) -> str | None:
+    """Sets the model's random generators to `states` (`random_states`); returns what
+    does not match (another model), or None."""
+    variables = _seed_variables(model)
+    if len(states) != len(variables):
+        return f"{STATE_FILE} holds {len(states)} random states, the model has {len(variables)}"
+    for variable, state in zip(variables, states, strict=True):
+        variable.assign(np.asarray(state, dtype=variable.dtype).reshape(variable.shape))
+    return None
 
 
 def generation_dir(backup_dir: str | Path, step: int) -> Path:
@@ -87,7 +115,8 @@ def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, An
     try:
         weights = save_model_weights(model, staging / WEIGHTS_FILE, include_optimizer=True)
         storage.write_json(staging / STATE_FILE,
-                           {**state, "weights": weights, "checkpoints": checkpoints})
+                           {**state, "weights": weights, "checkpoints": checkpoints,
+                            SEEDS_KEY: random_states(model)})
         if final.exists():  # the same step again (a resumed run that set a damaged one aside)
             shutil.rmtree(final)
         storage.replace_folder(staging, final, synced=True)
@@ -230,6 +259,8 @@ def _load_generation(model: keras.Model, weights: Path, state_file: Path,
         problem = f"{weights.name} does not load ({type(error).__name__}: {_first_line(error)})"
     else:
         problem = None if held == step else f"{weights.name} holds step {held}"
+    if problem is None and SEEDS_KEY in state:  # (an earlier version's backup has none)
+        problem = restore_random_states(model, state[SEEDS_KEY])
     if problem is not None and "crc32" in recorded:
         # Intact, as written: another model or optimizer (e.g. another --precision).
         raise UsageError(f"{_owner(weights, state_file.parent)} does not match this run's "

@@ -8,7 +8,6 @@ micro-batches, `accumulate` of them per optimizer step (`keras_transformer.train
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -35,6 +34,7 @@ from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.training_loop import (
     TrainingLoop,
     compiled_trainer,
+    record_training,
     total_steps,
 )
 from pipelines import storage
@@ -72,13 +72,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         _LOG.info(f"XLA: the training batches come in {record['train_batch_shapes']} shapes "
                   "(each compiled once)")
     tokenizer = prepared.tokenizer()
-    record.update(precision=precision, jit_compile=jit, replicas=replicas,
-                  step_budget={**dataclasses.asdict(budget),
-                               "tokens_per_step": budget.tokens_per_step},
-                  tokenizer_vocab_size=tokenizer.vocab_size,
-                  prepared={"directory": str(prepared.directory.resolve()),
-                            "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
-                            "pairs": prepared.pairs, "shards": prepared.num_shards})
+    record_training(record, prepared, budget, tokenizer.vocab_size, precision=precision,
+                    jit_compile=jit, replicas=replicas)
     check_same_settings({**record["identity"], **{key: record[key] for key in (
         "precision", "jit_compile", "replicas", "step_budget")}}, cluster,
         config.cluster.join_timeout)

@@ -11,7 +11,6 @@ TensorFlow; every step is XLA-compiled over the bounded batch shapes of
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.training_loop import (
     TrainingLoop,
     compiled_trainer,
+    record_training,
     total_steps,
 )
 from pipelines import storage
@@ -66,13 +66,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     accumulate = budget.accumulate
     record["train_batch_shapes"] = len(prepared.static_shapes(
         budget.micro_batch, max_length, bucket_boundaries=shapes["bucket_boundaries"]))
-    record.update(precision=precision, jit_compile=True, replicas=1, backend="jax",
-                  step_budget={**dataclasses.asdict(budget),
-                               "tokens_per_step": budget.tokens_per_step},
-                  tokenizer_vocab_size=prepared.vocab_size,
-                  prepared={"directory": str(prepared.directory.resolve()),
-                            "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
-                            "pairs": prepared.pairs, "shards": prepared.num_shards})
+    record_training(record, prepared, budget, prepared.vocab_size, precision=precision,
+                    jit_compile=True, replicas=1, backend="jax")
     run_directory.check_resumed_data(out, record)
     storage.write_json(out / run_directory.CONFIG_FILE, record)
 

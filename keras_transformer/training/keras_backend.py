@@ -11,6 +11,7 @@ TensorFlow is not installed, by naming that command).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -61,15 +62,26 @@ def _installed(package: str) -> bool:
 
 def finishing_command(config: Any, precision: str) -> list[str]:
     """The train command that finishes a JAX-trained run under TensorFlow: `config`'s
-    (a `TrainConfig`; not imported here, which `training.config` imports) flags
-    with `--backend tensorflow`, its training precision and XLA (the run directory's batches),
-    without `--overwrite`. It finds the run trained, so it averages, scores and exports."""
-    flags = {**config.flags(), "backend": "tensorflow", "overwrite": False,
-             "precision": precision, "jit_compile": "on"}
+    (a `TrainConfig`; not imported here, which `training.config` imports) every setting as
+    a flag, with `--backend tensorflow`, the training's precision and XLA (the run
+    directory's batches), without `--overwrite`. It finds the run trained, so it averages,
+    scores and exports. Print it with `shlex.join`.
+    """
+    changed = {"backend": "tensorflow", "overwrite": False, "precision": precision,
+               "jit_compile": "on"}
     command = [sys.executable, "-m", "keras_transformer.train"]
-    for name, value in flags.items():
-        if value is None or value is False:
+    if config.recipe is not None:
+        command += ["--recipe", config.recipe]
+    for component in dataclasses.fields(config):
+        settings = getattr(config, component.name)
+        if not dataclasses.is_dataclass(settings):
             continue
-        flag = "--" + name.replace("_", "-")
-        command += [flag] if value is True else [flag, str(value)]
+        for field in dataclasses.fields(settings):
+            value = changed.get(field.name, getattr(settings, field.name))
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):  # store_true, or --x/--no-x where the default is True
+                if value or field.default is True:
+                    command.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:  # every value explicit: no recipe default can differ
+                command += [flag, str(value)]
     return command

@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -389,7 +390,7 @@ def finish_with_tensorflow(config: TrainConfig) -> dict[str, Any]:
     """
     record = run_directory.read_json(Path(config.output.out) / run_directory.CONFIG_FILE)
     command = finishing_command(config, record["precision"])
-    shown = " ".join(["python", *command[1:]])
+    shown = shlex.join(["python", *command[1:]])
     say(f"trained on JAX; averaging, scoring and exporting under TensorFlow: {shown}")
     status = subprocess.run(command, env={**os.environ, "KERAS_BACKEND": "tensorflow"}
                             ).returncode

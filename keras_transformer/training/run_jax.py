@@ -13,6 +13,7 @@ line naming the command that finishes it on a machine with TensorFlow (the same 
 from __future__ import annotations
 
 import logging
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -86,7 +87,7 @@ def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
     say(f"trained to step {outcome['step']} ({outcome['reason']}) on JAX; model.keras holds "
         f"{choice['reason']}.\nTo choose the decoding, score test BLEU and export, run on a "
         f"machine with TensorFlow (the same command, --backend tensorflow):\n"
-        f"python {' '.join(command[1:])}")
+        f"{shlex.join(['python', *command[1:]])}")
     return {**outcome, "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
             "final_val_loss": choice["val_loss"], "finished": False,
-            "finish_command": " ".join(["python", *command[1:]])}
+            "finish_command": shlex.join(["python", *command[1:]])}

@@ -7,6 +7,7 @@ batches; everything else of the run is here, once.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -52,6 +53,19 @@ def compiled_trainer(record: dict[str, Any], optimization, precision: str, jit: 
     if not model.optimizer.built:  # (accumulation builds it; building twice duplicates)
         model.optimizer.build(model.trainable_variables)
     return model
+
+
+def record_training(record: dict[str, Any], prepared, budget: StepBudget, vocab_size: int,
+                    **how: Any) -> None:
+    """Adds to config.json's `record` how the run trains (`how`: precision, jit_compile,
+    replicas, ...), its step budget, vocabulary and prepared data (which a resume must
+    find again: `run_directory.check_resumed_data`)."""
+    record.update(**how, step_budget={**dataclasses.asdict(budget),
+                                      "tokens_per_step": budget.tokens_per_step},
+                  tokenizer_vocab_size=vocab_size,
+                  prepared={"directory": str(prepared.directory.resolve()),
+                            "corpus_fingerprint": prepared.manifest["corpus_fingerprint"],
+                            "pairs": prepared.pairs, "shards": prepared.num_shards})
 
 
 def total_steps(config: TrainConfig, prepared, budget: StepBudget, replicas: int,

@@ -7,6 +7,7 @@ TensorFlow; a run SIGKILLed mid-update resumes to the uninterrupted run's very w
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -73,9 +74,13 @@ def _train(data, prepared, out, **environment):
 
 def _weights(path) -> dict[str, np.ndarray]:
     found = {}
+
+    def read(name, item) -> None:  # (visititems stops at the first non-None return)
+        if isinstance(item, h5py.Dataset):
+            found[name] = item[()]
+
     with h5py.File(path, "r") as file:
-        file.visititems(lambda name, item: found.setdefault(name, item[()])
-                        if isinstance(item, h5py.Dataset) else None)
+        file.visititems(read)
     return found
 
 
@@ -115,7 +120,7 @@ def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_c
 
     # The finishing command, on this machine (TensorFlow): scores and exports nothing more
     # than it is asked (--no-export), from the JAX-trained weights.
-    command = finish[0].split()[1:]
+    command = shlex.split(finish[0])[1:]
     done = subprocess.run([sys.executable, *command], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
