@@ -78,6 +78,9 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         "precision", "jit_compile", "replicas", "step_budget")}}, cluster,
         config.cluster.join_timeout)
     run_directory.check_resumed_data(out, record)
+    recorded = out / run_directory.CONFIG_FILE
+    if recorded.is_file() and run_directory.read_json(recorded).get("backend") == "jax":
+        record["backend"] = "jax"  # finishing a JAX run: it was trained there
     storage.write_json(home / run_directory.CONFIG_FILE, record)
 
     with strategy.scope():

@@ -107,13 +107,22 @@ def validation(config: TrainConfig, corpora: dict[str, Any] | None, prepared,
     shapes = dict(tokens_per_batch=budget.global_micro_batch, max_length=max_length,
                   seed=config.optimization.seed,
                   bucket_boundaries=xla_bucket_boundaries(max_length), static_shapes=True)
-    if prepared.validation is not None or corpora is None:
+    if corpora is None or _holds(prepared, config.data.val_split):
         prepared.check_validation(config.data.val_split)  # the run's val split, prepared
         return validation_batches(prepared, **shapes)
     from pipelines.batching import make_batches  # TensorFlow's input pipeline
 
     batches = make_batches(corpora["val"], prepared.tokenizer(), shuffle=False, **shapes)
     return list(batches.as_numpy_iterator())
+
+
+def _holds(prepared, split: str) -> bool:
+    """Whether the prepared folder holds the validation split `split`."""
+    try:
+        prepared.check_validation(split)
+    except ValueError:  # PreparedError: none, or another split's
+        return False
+    return True
 
 
 def _devices() -> str:

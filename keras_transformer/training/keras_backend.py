@@ -33,6 +33,10 @@ def use_backend(name: str) -> None:
                          f"(pip install {'jax' if name == 'jax' else 'tensorflow'}).")
     if "keras" not in sys.modules:
         os.environ["KERAS_BACKEND"] = name
+    if name == "jax" and tensorflow_installed():
+        # TensorFlow shares the process (the input's preparation) and the machine (the
+        # finishing command): JAX takes GPU memory as it needs it, not 75% at start.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     check_backend(name)
 
 
@@ -60,15 +64,16 @@ def _installed(package: str) -> bool:
         return False
 
 
-def finishing_command(config: Any, precision: str) -> list[str]:
+def finishing_command(config: Any, precision: str, trained_steps: int) -> list[str]:
     """The train command that finishes a JAX-trained run under TensorFlow: `config`'s
     (a `TrainConfig`; not imported here, which `training.config` imports) every setting as
     a flag, with `--backend tensorflow`, the training's precision and XLA (the run
-    directory's batches), without `--overwrite`. It finds the run trained, so it averages,
-    scores and exports. Print it with `shlex.join`.
+    directory's batches), `--max-steps` the steps trained (so that no other device count
+    or `--epochs` rounding can make it train on), without `--overwrite`. It finds the run
+    trained, so it averages, scores and exports. Print it with `shlex.join`.
     """
     changed = {"backend": "tensorflow", "overwrite": False, "precision": precision,
-               "jit_compile": "on"}
+               "jit_compile": "on", "max_steps": trained_steps, "epochs": None}
     command = [sys.executable, "-m", "keras_transformer.train"]
     if config.recipe is not None:
         command += ["--recipe", config.recipe]
@@ -79,8 +84,8 @@ def finishing_command(config: Any, precision: str) -> list[str]:
         for field in dataclasses.fields(settings):
             value = changed.get(field.name, getattr(settings, field.name))
             flag = "--" + field.name.replace("_", "-")
-            if isinstance(value, bool):  # store_true, or --x/--no-x where the default is True
-                if value or field.default is True:
+            if isinstance(value, bool):  # store_true, or --x/--no-x (a default not False)
+                if value or field.default is not False:
                     command.append(flag if value else "--no-" + flag[2:])
             elif value is not None:  # every value explicit: no recipe default can differ
                 command += [flag, str(value)]

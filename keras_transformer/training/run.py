@@ -108,6 +108,7 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         on_jax = config.optimization.backend == "jax"
         check_backend(config.optimization.backend)
         if on_jax:
+            _keep_gpus_for_jax()
             if cluster.num_workers > 1:
                 raise UsageError("--backend jax trains on one machine; several workers "
                                  "(TF_CONFIG) train with --backend tensorflow.")
@@ -195,7 +196,7 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
             "the chief evaluates and exports")
         return {"step": outcome["step"], "stop_reason": outcome["reason"], "chief": False}
     if on_jax:  # decoding, test BLEU and the SavedModel are TensorFlow's
-        return finish_with_tensorflow(config)
+        return finish_with_tensorflow(config, outcome)
     return finish_run(config, record, corpora, outcome)
 
 
@@ -380,7 +381,7 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
     _LOG.info(line)
 
 
-def finish_with_tensorflow(config: TrainConfig) -> dict[str, Any]:
+def finish_with_tensorflow(config: TrainConfig, outcome: dict[str, Any]) -> dict[str, Any]:
     """Ends a JAX run (`--backend jax`): the same command with `--backend tensorflow`
     (`keras_backend.finishing_command`) finds it trained, and averages, scores and exports it
     in a TensorFlow process. Returns the run's results.
@@ -389,7 +390,7 @@ def finish_with_tensorflow(config: TrainConfig) -> dict[str, Any]:
         UsageError: the finishing command failed (its output was shown).
     """
     record = run_directory.read_json(Path(config.output.out) / run_directory.CONFIG_FILE)
-    command = finishing_command(config, record["precision"])
+    command = finishing_command(config, record["precision"], outcome["step"])
     shown = shlex.join(["python", *command[1:]])
     say(f"trained on JAX; averaging, scoring and exporting under TensorFlow: {shown}")
     status = subprocess.run(command, env={**os.environ, "KERAS_BACKEND": "tensorflow"}
@@ -398,3 +399,14 @@ def finish_with_tensorflow(config: TrainConfig) -> dict[str, Any]:
         raise UsageError(f"finishing the JAX run under TensorFlow failed (exit {status}); "
                          f"run it again: {shown}")
     return run_directory.read_json(Path(config.output.out) / run_directory.RESULTS_FILE)
+
+
+def _keep_gpus_for_jax() -> None:
+    """Under --backend jax TensorFlow only prepares the input here: it must not take the
+    GPUs' memory, which it reserves when it first runs an op on them."""
+    import tensorflow as tf
+
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:  # TensorFlow has run on them already: too late to hide them
+        pass

@@ -83,7 +83,7 @@ def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
         lambda candidate: validation_loss(candidate, validation, smoothing))
     with storage.replacing(out / run_directory.MODEL_FILE) as temporary:
         model.save(temporary)
-    command = finishing_command(config, outcome["precision"])
+    command = finishing_command(config, outcome["precision"], outcome["step"])
     say(f"trained to step {outcome['step']} ({outcome['reason']}) on JAX; model.keras holds "
         f"{choice['reason']}.\nTo choose the decoding, score test BLEU and export, run on a "
         f"machine with TensorFlow (the same command, --backend tensorflow):\n"

@@ -1,7 +1,8 @@
-"""`train --backend jax` as on a GPU machine without TensorFlow, checked on CPU: a folder
-prepared here (with TensorFlow), then JAX training from it in processes that cannot import
-TensorFlow; a run SIGKILLed mid-update resumes to the uninterrupted run's very weights
-(dropout's random state included); the line it ends with finishes the run under TensorFlow.
+"""`train --backend jax`, checked on CPU: from a folder prepared here, a JAX run where
+TensorFlow is installed finishes itself under TensorFlow; the same run in processes that
+cannot import TensorFlow (as on the GPU machines), SIGKILLed mid-update and resumed, ends
+with the very same weights (dropout's random state included), and the line it ends with
+finishes it under TensorFlow to the same BLEU.
 """
 
 from __future__ import annotations
@@ -60,14 +61,15 @@ WITHOUT_TENSORFLOW = textwrap.dedent(
 STEPS, EVERY, ACCUMULATE = 8, 4, 2
 
 
-def _train(data, prepared, out, **environment):
+def _train(data, prepared, out, with_tensorflow: bool = False, **environment):
     flags = ["--backend", "jax", "--data", str(data), "--src", "xx", "--tgt", "yy",
              "--prepared", str(prepared), "--preset", "tiny", "--vocab-size", "300",
              "--max-length", "32", "--tokens-per-batch", "256", "--accumulate",
              str(ACCUMULATE), "--dropout", "0.3", "--precision", "float32",
              "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--average-last", "2",
              "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out)]
-    return subprocess.run([sys.executable, "-c", WITHOUT_TENSORFLOW, *flags], cwd=REPO,
+    python = ["-m", "keras_transformer.train"] if with_tensorflow else ["-c", WITHOUT_TENSORFLOW]
+    return subprocess.run([sys.executable, *python, *flags], cwd=REPO,
                           env=cli_env(JAX_PLATFORMS="cpu", **environment),
                           capture_output=True, text=True, timeout=600)
 
@@ -94,17 +96,19 @@ def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_c
     assert made.returncode == 0, made.stderr[-3000:]
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
 
-    uninterrupted = _train(data, prepared, reference)
+    # Where TensorFlow is installed, the JAX run finishes itself under TensorFlow.
+    uninterrupted = _train(data, prepared, reference, with_tensorflow=True)
     assert uninterrupted.returncode == 0, (uninterrupted.stdout[-3000:]
                                            + uninterrupted.stderr[-3000:])
     log = uninterrupted.stdout
     assert "Keras on JAX" in log and f"until {STEPS} steps" in log
-    # It ends by naming the command that finishes the run where TensorFlow is.
-    finish = [line for line in log.splitlines() if line.startswith("python -m ")]
-    assert len(finish) == 1 and "--backend tensorflow" in finish[0], log[-3000:]
-    assert (reference / "model.keras").is_file() and (reference / "tokenizer").is_dir()
+    assert "averaging, scoring and exporting under TensorFlow" in log
+    expected_results = json.loads((reference / "results.json").read_text())
+    assert expected_results["steps"] == STEPS and "tok:13a" in expected_results["bleu_signature"]
+    assert json.loads((reference / "config.json").read_text())["backend"] == "jax"
 
-    # Killed after update 5 and the first micro-batch of update 6; the last backup is at 4.
+    # Without TensorFlow: killed after update 5 and the first micro-batch of update 6 (the
+    # last backup is at 4), then resumed.
     victim = _train(data, prepared, resumed, KILL_AT=str(ACCUMULATE * (EVERY + 1) + 1))
     assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
     assert newest_step(resumed / "backup") == EVERY
@@ -112,18 +116,19 @@ def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_c
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
     assert f"resuming at step {EVERY}, until {STEPS} steps" in finished.stdout
     # The same weights, bit for bit: data position, optimizer state and dropout's seeds
-    # restored.
+    # restored (and the same as with TensorFlow installed: the same numpy batches).
     last = f"checkpoints/ckpt-{STEPS:08d}.weights.h5"
     expected, actual = _weights(reference / last), _weights(resumed / last)
     assert expected.keys() == actual.keys() and len(expected) > 10
     assert all(np.array_equal(expected[name], actual[name]) for name in expected)
+    assert (resumed / "model.keras").is_file() and not (resumed / "results.json").exists()
 
-    # The finishing command, on this machine (TensorFlow): scores and exports nothing more
-    # than it is asked (--no-export), from the JAX-trained weights.
-    command = shlex.split(finish[0])[1:]
-    done = subprocess.run([sys.executable, *command], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=600)
+    # It ended by naming the command that finishes it where TensorFlow is: run here, it
+    # scores the JAX-trained weights (and exports nothing: --no-export).
+    finish = [line for line in finished.stdout.splitlines() if line.startswith("python -m ")]
+    assert len(finish) == 1 and "--backend tensorflow" in finish[0], finished.stdout[-3000:]
+    done = subprocess.run([sys.executable, *shlex.split(finish[0])[1:]], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    results = json.loads((reference / "results.json").read_text())
-    assert results["steps"] == STEPS and 0.0 <= results["bleu"] <= 100.0
-    assert "tok:13a" in results["bleu_signature"]
+    results = json.loads((resumed / "results.json").read_text())
+    assert results["steps"] == STEPS and results["bleu"] == expected_results["bleu"]
