@@ -18,7 +18,6 @@ from typing import Any
 import keras
 
 from keras_transformer import run_directory
-from keras_transformer.errors import UsageError
 from keras_transformer.training import backup
 from keras_transformer.training import callbacks as cb
 from keras_transformer.training.config import TrainConfig
@@ -50,17 +49,14 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
         record: config.json's record, completed here as `fit.train_model` does.
         prepared: the prepared training folder (`pipelines.prepared_folder.PreparedFolder`).
         validation: the validation batches, a list of numpy `(features, labels)`.
-        budget: the step's token budget on one replica.
+        budget: the step's token budget (one replica: the callers build it for one device).
         out: the run directory.
         started: when the command started (`time.perf_counter()`).
     """
-    if budget.replicas != 1:
-        raise UsageError("--backend jax trains on one device per run for now; use "
-                         "--backend tensorflow for several devices or workers.")
     optimization, max_length = config.optimization, config.data.max_length
     keras.utils.set_random_seed(optimization.seed)
-    gpus = len(jax_gpu_capabilities())
-    precision = resolve_precision(optimization.precision, jax_gpu_capabilities())
+    gpus = jax_gpu_capabilities()
+    precision = resolve_precision(optimization.precision, gpus)
     # XLA always: JAX has no other way to run a step fast; its shapes are bounded.
     shapes = dict(bucket_boundaries=xla_bucket_boundaries(max_length), static_shapes=True)
     accumulate = budget.accumulate
@@ -81,7 +77,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     max_steps = total_steps(config, prepared, budget, 1, shapes)
     loop = TrainingLoop(config, out, state, started, max_steps, bool)
     _LOG.info(loop.describe(model, config.model.preset, prepared, budget, prepared.vocab_size,
-                            step, describe_precision(optimization.precision, precision, gpus),
+                            step,
+                            describe_precision(optimization.precision, precision, len(gpus)),
                             True) + f"; Keras on JAX ({keras.backend.backend()}, "
               f"{_devices()})")
     done = loop.done(step)
@@ -107,22 +104,16 @@ def validation(config: TrainConfig, corpora: dict[str, Any] | None, prepared,
     shapes = dict(tokens_per_batch=budget.global_micro_batch, max_length=max_length,
                   seed=config.optimization.seed,
                   bucket_boundaries=xla_bucket_boundaries(max_length), static_shapes=True)
-    if corpora is None or _holds(prepared, config.data.val_split):
-        prepared.check_validation(config.data.val_split)  # the run's val split, prepared
-        return validation_batches(prepared, **shapes)
-    from pipelines.batching import make_batches  # TensorFlow's input pipeline
-
-    batches = make_batches(corpora["val"], prepared.tokenizer(), shuffle=False, **shapes)
-    return list(batches.as_numpy_iterator())
-
-
-def _holds(prepared, split: str) -> bool:
-    """Whether the prepared folder holds the validation split `split`."""
     try:
-        prepared.check_validation(split)
+        prepared.check_validation(config.data.val_split)  # the run's val split, prepared
     except ValueError:  # PreparedError: none, or another split's
-        return False
-    return True
+        if corpora is None:  # no TensorFlow here to tokenize it: say what is missing
+            raise
+        from pipelines.batching import make_batches  # TensorFlow's input pipeline
+
+        batches = make_batches(corpora["val"], prepared.tokenizer(), shuffle=False, **shapes)
+        return list(batches.as_numpy_iterator())
+    return validation_batches(prepared, **shapes)
 
 
 def _devices() -> str:

@@ -389,8 +389,7 @@ def finish_with_tensorflow(config: TrainConfig, outcome: dict[str, Any]) -> dict
     Raises:
         UsageError: the finishing command failed (its output was shown).
     """
-    record = run_directory.read_json(Path(config.output.out) / run_directory.CONFIG_FILE)
-    command = finishing_command(config, record["precision"], outcome["step"])
+    command = finishing_command(config, outcome["precision"], outcome["step"])
     shown = shlex.join(["python", *command[1:]])
     say(f"trained on JAX; averaging, scoring and exporting under TensorFlow: {shown}")
     status = subprocess.run(command, env={**os.environ, "KERAS_BACKEND": "tensorflow"}

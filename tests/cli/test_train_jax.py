@@ -22,15 +22,16 @@ from keras_transformer.flags import parse_train_args
 from keras_transformer.training.backup import newest_step
 from keras_transformer.training.config import config_from_flags
 from tests.cli.test_train import REPO, cli_env, write_toy_corpus
+from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH
 
 pytestmark = pytest.mark.slow
 
 # The train command in a process where TensorFlow (and the tokenizer libraries) cannot be
-# imported, as on the GPU machines; it SIGKILLs itself after its KILL_AT-th micro-batch when
-# KILL_AT is set (a callback placed there by this test only).
+# imported, as on the GPU machines: any import of them fails the run. It SIGKILLs itself after
+# its KILL_AT-th micro-batch (test_resume's callback; KILL_AT=0: never).
 WITHOUT_TENSORFLOW = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, sys
 
     class NoTensorFlow:
         def find_spec(self, name, path=None, target=None):
@@ -39,31 +40,15 @@ WITHOUT_TENSORFLOW = textwrap.dedent(
                 raise ImportError(f"{name} is blocked: this test's machine has no TensorFlow")
 
     sys.meta_path.insert(0, NoTensorFlow())
-    if os.environ.get("KILL_AT"):
-        os.environ["KERAS_BACKEND"] = "jax"  # as --backend jax would, before Keras loads
-        from keras_transformer.training import callbacks
-
-        trained, original = 0, callbacks.FirstStepTimer.on_train_batch_end
-
-        def on_train_batch_end(self, batch, logs=None):
-            global trained
-            original(self, batch, logs)
-            trained += 1
-            if trained == int(os.environ["KILL_AT"]):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        callbacks.FirstStepTimer.on_train_batch_end = on_train_batch_end
-    from keras_transformer.train import main
-
-    status = main(sys.argv[1:])
-    assert "tensorflow" not in sys.modules
-    sys.exit(status)
+    os.environ["KERAS_BACKEND"] = "jax"  # as --backend jax would: the callback loads Keras
     """
-)
+) + KILLED_AFTER_A_MICRO_BATCH
+
+
 STEPS, EVERY, ACCUMULATE = 8, 4, 2
 
 
-def _train(data, prepared, out, with_tensorflow: bool = False, **environment):
+def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0):
     flags = ["--backend", "jax", "--data", str(data), "--src", "xx", "--tgt", "yy",
              "--prepared", str(prepared), "--preset", "tiny", "--vocab-size", "300",
              "--max-length", "32", "--tokens-per-batch", "256", "--accumulate",
@@ -72,7 +57,7 @@ def _train(data, prepared, out, with_tensorflow: bool = False, **environment):
              "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out)]
     python = ["-m", "keras_transformer.train"] if with_tensorflow else ["-c", WITHOUT_TENSORFLOW]
     return subprocess.run([sys.executable, *python, *flags], cwd=REPO,
-                          env=cli_env(JAX_PLATFORMS="cpu", **environment),
+                          env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at)),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -111,7 +96,7 @@ def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_c
 
     # Without TensorFlow: killed after update 5 and the first micro-batch of update 6 (the
     # last backup is at 4), then resumed.
-    victim = _train(data, prepared, resumed, KILL_AT=str(ACCUMULATE * (EVERY + 1) + 1))
+    victim = _train(data, prepared, resumed, kill_at=ACCUMULATE * (EVERY + 1) + 1)
     assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
     assert newest_step(resumed / "backup") == EVERY
     finished = _train(data, prepared, resumed)
