@@ -1,6 +1,6 @@
 """Translate a test set and score it with sacreBLEU: BLEU (13a, cased, detokenized) and chrF.
 
-The library behind it: `keras_transformer.decoding.translator` and `keras_transformer.decoding.scoring`.
+The library behind it: `keras_transformer.serving.translator` (loading), `keras_transformer.decoding.translator` and `keras_transformer.decoding.scoring`.
 
     python -m keras_transformer.evaluate --model DIR --src-file F --ref-file F [--json]
     python -m keras_transformer.evaluate --model DIR --data FOLDER --split test_2016_flickr \\
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
-from keras_transformer.decoding.translator import ModelError, load_translator
 from keras_transformer.errors import UsageError
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.progress import ProgressBar
+from keras_transformer.serving.translator import ModelError, load_translator
 from pipelines import storage
 from pipelines.corpora import load_corpus
 from pipelines.textfiles import CorpusError, read_text_file

@@ -4,15 +4,27 @@
     a SavedModel folder (holds saved_model.pb, from `keras_transformer.export`);
     a `saved_models/<name>` folder: its highest integer version is used;
     a run directory (model.keras + tokenizer/, see `keras_transformer.run_directory`).
-Input lines come from `--input FILE` (with a progress bar on stderr) or stdin; one
-translation per input line goes to stdout (or `--output`), in order, decoded in batches.
-`--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps for each line
-(run directories only: a SavedModel does not expose attention).
+Input lines come from `--input FILE` (with a progress bar on stderr) or stdin; one result per
+input line goes to stdout (or `--output`), in order, decoded in batches.
 
-Exit status: 0 translated; 1 a bad model or input file, or no attention to plot (one `error:`
-line); 2 a malformed or invalid flag (argparse); 4 (`EXIT_STORAGE`) the disk is full, over
-quota, read-only or failing while writing `--output` (one `error:` line naming the file;
-nothing half-written): free space and run the same command again.
+Output formats (docs/translating.md): `--format text` (default) writes the best translation
+per line; with `--n-best N` (N > 1) the N best in the Moses n-best format
+`LINE ||| TRANSLATION ||| SCORE` (LINE counted from 0); `--alignment` appends
+` ||| i-j ...` (Pharaoh word links, as Marian does). `--format jsonl` writes one JSON object
+per input line: translation, score, log_prob, finished, pieces, flags, source pieces, and the
+n-best list, token log-probs and alignment when asked. Lines that were split, truncated or
+cut at the output limit are flagged (in JSONL) and counted on stderr (text).
+Sampling (`--sampling-topk 0` or k > 1, `--sampling-topp`, `--sampling-temperature`,
+`--seed`), forced prefixes (`--prefix FILE`, one per input line), token scores and alignments
+need a run directory; a SavedModel gives beam search strings and scores.
+`--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps for each line
+(run directories only).
+
+Exit status: 0 translated; 1 a bad model or input file, a line over --max-input-tokens with
+`--long-inputs error`, or no attention to plot (one `error:` line); 2 a malformed or invalid
+flag (argparse); 4 (`EXIT_STORAGE`) the disk is full, over quota, read-only or failing while
+writing `--output` (one `error:` line naming the file; nothing half-written): free space and
+run the same command again.
 """
 
 from __future__ import annotations
@@ -22,27 +34,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from keras_transformer.decoding.alignment import format_pharaoh
 from keras_transformer.decoding.attention_plots import plot_attention
-from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
-from keras_transformer.decoding.translator import ModelError, load_translator
+from keras_transformer.decoding.long_inputs import LONG_INPUT_MODES, InputTooLong
+from keras_transformer.decoding.results import FLAGS, Translation
+from keras_transformer.decoding.search import (
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_EXTRA_LENGTH,
+    DEFAULT_MAX_INPUT_TOKENS,
+)
+from keras_transformer.decoding.translator import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.progress import ProgressBar
-from pipelines import storage
-
-
-def _read_lines(source: str | None) -> list[bytes]:
-    """Input lines as bytes (the model copes with any encoding), without line ends."""
-    if source is None:
-        data = sys.stdin.buffer.read()
-    else:
-        try:
-            data = Path(source).read_bytes()
-        except OSError as error:
-            raise ModelError(f"cannot read --input {source}: {error.strerror}") from None
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return [line.removesuffix(b"\r") for line in lines]
+from keras_transformer.serving.translator import ModelError, Translator, load_translator
+from keras_transformer.text_lines import LineError, jsonl, read_lines, single_line, write_lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,13 +58,75 @@ def _parser() -> argparse.ArgumentParser:
                         help="SavedModel folder, saved_models/<name>, or run directory")
     parser.add_argument("--input", help="text file, one sentence per line (default: stdin)")
     parser.add_argument("--output", help="write translations here (default: stdout)")
-    parser.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1: greedy)")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="length penalty")
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
+    parser.add_argument("--format", choices=("text", "jsonl"), default="text",
+                        help="text: translations (n-best: Moses format); jsonl: one JSON "
+                             "object per line with scores and flags (docs/translating.md)")
+    search = parser.add_argument_group("search")
+    search.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1: greedy)")
+    search.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                        help="length penalty exponent of the score")
+    search.add_argument("--n-best", type=int, default=1, metavar="N",
+                        help="hypotheses per line, best first (at most --beam)")
+    search.add_argument("--sampling-topk", type=int, default=1, metavar="K",
+                        help="1: search; 0: sample from the whole vocabulary; K > 1: from "
+                             "the K most likely tokens (with --beam 1)")
+    search.add_argument("--sampling-topp", type=float, default=1.0, metavar="P",
+                        help="nucleus sampling: the fewest tokens with probability mass P")
+    search.add_argument("--sampling-temperature", type=float, default=1.0, metavar="T",
+                        help="divides the log-probs before sampling")
+    search.add_argument("--seed", type=int, default=0,
+                        help="sampling seed; with each line's number it fixes the line's draws")
+    search.add_argument("--prefix", metavar="FILE",
+                        help="one target prefix per input line (empty: none), forced")
+    outputs = parser.add_argument_group("what each line reports")
+    outputs.add_argument("--token-scores", action="store_true",
+                         help="per-token log-probabilities (jsonl)")
+    outputs.add_argument("--alignment", action="store_true",
+                         help="source-target word alignment (Pharaoh i-j)")
+    limits = parser.add_argument_group("lengths and batches")
+    limits.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS,
+                        help="subword tokens (EOS included) decoded at once")
+    limits.add_argument("--long-inputs", choices=LONG_INPUT_MODES, default="split",
+                        help="a line over --max-input-tokens: split into sentences, "
+                             "truncated (flagged), or an error")
+    limits.add_argument("--max-output-tokens", type=int, default=None,
+                        help="output tokens at most (default: --max-input-tokens + "
+                             f"{DEFAULT_EXTRA_LENGTH})")
+    limits.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="sentences per batch")
+    limits.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                        help="hypotheses x (source + output) tokens per batch (bounds memory)")
     parser.add_argument("--plot-attention", metavar="OUT_DIR",
                         help="write attention heat maps (PNG) per line to OUT_DIR/line_<n>/")
     add_verbose_flag(parser)
     return parser
+
+
+def _check(parser, args) -> None:
+    if args.beam < 1 or args.batch_size < 1 or args.batch_tokens < 1 or args.alpha < 0:
+        parser.error("--beam, --batch-size and --batch-tokens must be >= 1, --alpha >= 0")
+    if not 1 <= args.n_best <= args.beam:
+        parser.error(f"--n-best must be in [1, --beam] (--beam is {args.beam})")
+    if args.sampling_topk != 1 and args.beam != 1:
+        parser.error("sampling (--sampling-topk other than 1) draws one token a step: --beam 1")
+    if args.sampling_topk < 0 or not 0 < args.sampling_topp <= 1 or args.sampling_temperature <= 0:
+        parser.error("--sampling-topk must be >= 0, --sampling-topp in (0, 1], "
+                     "--sampling-temperature > 0")
+    if args.sampling_topk == 1 and (args.sampling_topp != 1 or args.sampling_temperature != 1):
+        parser.error("--sampling-topp and --sampling-temperature need --sampling-topk 0 "
+                     "(the whole vocabulary) or K > 1")
+    if args.max_input_tokens < 2 or (args.max_output_tokens or 1) < 1:
+        parser.error("--max-input-tokens must be >= 2, --max-output-tokens >= 1")
+    if args.token_scores and args.format != "jsonl":
+        parser.error("--token-scores needs --format jsonl")
+
+
+def _needs_run_directory(args) -> bool:
+    """Whether the options go beyond a SavedModel's `translate` (strings, one per line)."""
+    return (args.format == "jsonl" or args.n_best > 1 or args.sampling_topk != 1
+            or args.prefix is not None or args.token_scores or args.alignment
+            or args.long_inputs != "split" or args.max_input_tokens != DEFAULT_MAX_INPUT_TOKENS
+            or args.max_output_tokens is not None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,28 +138,36 @@ def _translate(argv: Sequence[str] | None) -> int:
     """The command's work; raises `StorageError` for a full or failing disk."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.beam < 1 or args.batch_size < 1 or args.alpha < 0:
-        parser.error("--beam and --batch-size must be >= 1, --alpha >= 0")
+    _check(parser, args)
     try:
-        lines = _read_lines(args.input)
+        lines = read_lines(args.input)
+        prefixes = None
+        if args.prefix is not None:
+            prefixes = read_lines(args.prefix, "--prefix")
+            if len(prefixes) != len(lines):
+                raise LineError(f"--prefix {args.prefix} has {len(prefixes)} lines, the input "
+                                f"{len(lines)}: one prefix (or an empty line) per input line.")
         translator = load_translator(args.model)
         if args.plot_attention and translator.model is None:
             raise ModelError("--plot-attention needs a run directory (the Keras model); a "
                              "SavedModel does not expose attention weights.")
-    except ModelError as error:
+        bar = ProgressBar(len(lines), enabled=args.input is not None)
+        if translator.saved_model is not None and not _needs_run_directory(args):
+            results = None
+            translations = translator.translate(lines, beam_size=args.beam, alpha=args.alpha,
+                                                batch_size=args.batch_size, progress=bar.update)
+        else:
+            results = _translate_batch(translator, lines, prefixes, args, bar)
+        bar.close()
+    except (ModelError, LineError, InputTooLong) as error:
         print(f"translate: error: {error}", file=sys.stderr)
         return 1
-    bar = ProgressBar(len(lines), enabled=args.input is not None)
-    translations = translator.translate(lines, beam_size=args.beam, alpha=args.alpha,
-                                        batch_size=args.batch_size, progress=bar.update)
-    bar.close()
-    # A translation must stay on one line, or the output would lose its alignment.
-    text = "".join(" ".join(t.splitlines()) + "\n" for t in translations)
-    if args.output:
-        storage.write_text(args.output, text)  # the old file or all of the new one
+    if results is None:
+        write_lines([single_line(text) for text in translations], args.output)
     else:
-        sys.stdout.buffer.write(text.encode("utf-8"))
-        sys.stdout.flush()
+        write_lines(_formatted(results, args), args.output)
+        if args.format == "text":
+            _report_flags(results)
     if args.plot_attention:
         try:
             for number, line in enumerate(lines, start=1):
@@ -102,6 +178,45 @@ def _translate(argv: Sequence[str] | None) -> int:
             print(f"translate: error: {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def _translate_batch(translator: Translator, lines, prefixes, args, bar) -> list[Translation]:
+    return translator.translate_batch(
+        lines, beam_size=args.beam, alpha=args.alpha, num_hypotheses=args.n_best,
+        sampling_topk=args.sampling_topk, sampling_topp=args.sampling_topp,
+        sampling_temperature=args.sampling_temperature, seed=args.seed,
+        target_prefix=prefixes, return_token_scores=args.token_scores,
+        return_alignment=args.alignment, max_input_tokens=args.max_input_tokens,
+        max_output_tokens=args.max_output_tokens, long_inputs=args.long_inputs,
+        batch_size=args.batch_size, batch_tokens=args.batch_tokens, progress=bar.update)
+
+
+def _formatted(results: list[Translation], args) -> list[str]:
+    """The output lines: JSONL records, Moses n-best lines, or translations."""
+    if args.format == "jsonl":
+        return jsonl([result.as_json(line) for line, result in enumerate(results)])
+    out = []
+    for line, result in enumerate(results):
+        hypotheses = result.hypotheses if args.n_best > 1 else result.hypotheses[:1]
+        for hypothesis in hypotheses:
+            fields = [single_line(hypothesis.text)]
+            if args.n_best > 1:
+                fields = [str(line), *fields, f"{hypothesis.score:.6f}"]
+            if args.alignment:
+                fields.append(format_pharaoh(hypothesis.alignment))
+            out.append(" ||| ".join(fields))
+    return out
+
+
+def _report_flags(results: list[Translation]) -> None:
+    """One stderr line per flag that some lines carry (text output has no room for them)."""
+    for flag, meaning in FLAGS.items():
+        lines = [number for number, result in enumerate(results, start=1)
+                 if flag in result.flags]
+        if lines and flag != "empty_input":
+            shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+            print(f"translate: {len(lines)} line(s) {flag} ({meaning}): line {shown}",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

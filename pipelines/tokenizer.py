@@ -158,6 +158,11 @@ class SubwordTokenizer(tf.Module):
         """The subword string of each id (e.g. for attention plot labels); same shape as ids."""
         return self._live().id_to_string(tf.cast(ids, tf.int32))
 
+    def piece_to_id(self, pieces: tf.Tensor) -> tf.Tensor:
+        """The id of each subword string (the unknown id for a string not in the vocabulary);
+        same shape as pieces."""
+        return self._live().string_to_id(pieces)
+
     def _live(self) -> tf_text.SentencepieceTokenizer:
         """The tf-text tokenizer, rebuilt if its sentencepiece resource has been destroyed.
 

@@ -14,7 +14,7 @@ from tests.cli.test_train import REPO
 # The `python -m keras_transformer.<command>` tools and the flag generator they share: the
 # only modules that may parse a command line.
 COMMAND_LINE = {f"keras_transformer.{name}" for name in (
-    "train", "prepare", "translate", "evaluate", "export", "averaging", "flags")}
+    "train", "prepare", "translate", "evaluate", "export", "averaging", "flags", "force_decode")}
 
 PACKAGES = ("keras_transformer", "pipelines")
 
@@ -188,3 +188,33 @@ def test_the_model_holds_the_architecture_and_training_holds_training():
     assert not {module: imports for module, imports in graph.items()
                 if module.startswith(("keras_transformer.model", "keras_transformer.layers"))
                 and any(target.startswith("keras_transformer.training") for target in imports)}
+
+
+def _package(module: str) -> str | None:
+    """The folder of a module inside a subpackage (keras_transformer.<folder>); None for the
+    top-level modules (the commands and the shared run-directory helpers)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else None
+
+
+def find_package_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle between folders, as `find_cycle` finds one between modules."""
+    packages: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        source = _package(module)
+        if source is None:
+            continue
+        packages.setdefault(source, set()).update(
+            target for target in map(_package, imports) if target not in (None, source))
+    for targets in list(packages.values()):
+        for target in targets:
+            packages.setdefault(target, set())
+    return find_cycle(packages)
+
+
+def test_the_folders_depend_on_each_other_one_way():
+    """E.g. `serving` imports `decoding` (it exports searches), so `decoding` never imports
+    `serving`; loading a translator (either kind of model) lives in `serving`."""
+    assert find_package_cycle({"a.x.m": {"a.y.n"}, "a.y.n": {"a.x.k"}, "a.x.k": set()}) == [
+        "a.x", "a.y", "a.x"]
+    assert find_package_cycle(import_graph()) is None

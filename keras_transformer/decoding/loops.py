@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_transformer.decoding.sampling import Sampling, choose_tokens, step_uniforms
 from keras_transformer.decoding.stepper import (
     JIT_LENGTH_BUCKET,
     Stepper,
@@ -59,10 +60,25 @@ def _token_bias(biases, log_probs, index, min_length):
     return tf.gather(biases, tf.cast(index + 1 >= min_length, tf.int32))[None, :]
 
 
-def _limits(source_ids, extra_length, max_length, force_length):
-    """Per-sentence number of target tokens allowed (batch,) int32, at least 1."""
+def _force_prefix(log_probs, prefix, index):
+    """`log_probs` (rows, vocab) with every token but the prefix's forbidden on the rows whose
+    forced prefix (rows, P) int32, 0-padded, P >= 1, reaches step `index`. The prefix token
+    keeps its own log-probability: forcing it costs the hypothesis exactly that much."""
+    width = tf.shape(prefix)[1]
+    column = tf.gather(prefix, tf.minimum(index, width - 1), axis=1)
+    forced = tf.where(index < width, column, PAD_ID)[:, None]
+    allowed = (forced == PAD_ID) | (tf.range(tf.shape(log_probs)[-1])[None, :] == forced)
+    return tf.where(allowed, log_probs, NEG_INF)
+
+
+def _limits(source_ids, extra_length, max_length, force_length, prefix=None):
+    """Per-sentence number of target tokens allowed (batch,) int32, at least 1 (and at
+    least one more than a forced prefix)."""
     source_length = tf.reduce_sum(tf.cast(source_ids != PAD_ID, tf.int32), axis=1)
     limits = tf.minimum(source_length + extra_length, max_length)
+    if prefix is not None:
+        prefix_length = tf.reduce_sum(tf.cast(prefix != PAD_ID, tf.int32), axis=1)
+        limits = tf.maximum(limits, prefix_length + 1)
     limits = tf.where(force_length > 0, force_length, limits)
     return tf.maximum(limits, 1)
 
@@ -182,9 +198,9 @@ def _search_compiled(step, results, rows, outputs, stepper, steps, beam_size):
 
 
 def _setup(model, source_ids, beam_size, extra_length, max_length, force_length, use_cache,
-           jit_compile, reorders=True):
+           jit_compile, reorders=True, prefix=None):
     """(limits (batch,), steps, token buffer width, stepper) of one search."""
-    limits = _limits(source_ids, extra_length, max_length, force_length)
+    limits = _limits(source_ids, extra_length, max_length, force_length, prefix)
     steps = tf.reduce_max(limits)
     # Under XLA the cache and the token buffers have a bucketed length (fewer shapes).
     length = round_up(steps, JIT_LENGTH_BUCKET) if jit_compile else steps
@@ -195,35 +211,48 @@ def _setup(model, source_ids, beam_size, extra_length, max_length, force_length,
 
 
 def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_length, use_cache,
-                jit_compile=False):
-    """Greedy decoding. Returns ids (batch, T) int32 and summed log-probs (batch,) float32.
+                jit_compile=False, prefix=None, sampling: Sampling | None = None, seeds=None):
+    """Greedy decoding, or random sampling. Returns ids (batch, T) int32 and summed
+    log-probs (batch,) float32 (the model's, whatever the sampling temperature).
 
     Arguments as in `decoding.greedy_search`, all tensors; `force_length > 0` masks EOS and
     stops every sentence at exactly that many tokens. A sentence leaves the batch at the step
     it ends (EOS or its length limit): later steps compute only the sentences still going.
+    `prefix` (batch, P >= 1) int32, 0-padded: tokens forced at the first steps. `sampling`
+    draws each token (`decoding.sampling`) with the uniforms of `seeds` (batch,) uint32.
     """
     jit_compile = jit_compile and use_cache
     batch = tf.shape(source_ids)[0]
     min_length = tf.where(force_length > 0, force_length + 1, min_length)
     limits, steps, width, stepper = _setup(model, source_ids, 1, extra_length, max_length,
-                                           force_length, use_cache, jit_compile, reorders=False)
+                                           force_length, use_cache, jit_compile, reorders=False,
+                                           prefix=prefix)
 
     vocab_size = stepper.vocab_size
     biases = None if vocab_size is None else _token_biases(vocab_size)
 
     def step(index, rows, state):
-        sentences, active, sequences, scores, sentence_limits = rows
+        sentences, active, sequences, scores, sentence_limits, *extras = rows
         log_probs, state = stepper(sequences, index, state)
         log_probs += _token_bias(biases, log_probs, index, min_length)
-        tokens = tf.where(active, tf.argmax(log_probs, axis=-1, output_type=tf.int32), PAD_ID)
+        if prefix is not None:
+            log_probs = _force_prefix(log_probs, extras[0], index)
+        if sampling is None:
+            chosen = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
+        else:
+            chosen = choose_tokens(log_probs, step_uniforms(extras[-1], index), sampling)
+        tokens = tf.where(active, chosen, PAD_ID)
         scores += tf.where(active, tf.gather(log_probs, tokens, batch_dims=1), 0.0)
         sequences = write_column(sequences, index + 1, tokens)
         ends = active & ((tokens == EOS_ID) | (index + 1 >= sentence_limits))
-        rows = (sentences, active & tf.logical_not(ends), sequences, scores, sentence_limits)
+        rows = (sentences, active & tf.logical_not(ends), sequences, scores, sentence_limits,
+                *extras)
         return rows, ends, tf.range(tf.shape(sentences)[0]), state
 
     sequences = write_column(tf.zeros([batch, width], tf.int32), 0, tf.fill([batch], BOS_ID))
-    rows = (tf.range(batch), tf.ones([batch], tf.bool), sequences, tf.zeros([batch]), limits)
+    extras = (() if prefix is None else (prefix,)) + (() if sampling is None else (seeds,))
+    rows = (tf.range(batch), tf.ones([batch], tf.bool), sequences, tf.zeros([batch]), limits,
+            *extras)
     outputs = (tf.zeros_like(sequences), tf.zeros([batch]))
     output, output_scores = _search(step, lambda rows: rows[2:4], rows, outputs, stepper, steps,
                                     1, jit_compile)
@@ -231,7 +260,7 @@ def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_l
 
 
 def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min_length,
-              force_length, num_return, use_cache, jit_compile=False):
+              force_length, num_return, use_cache, jit_compile=False, prefix=None):
     """Beam search with finished hypotheses kept apart (as tensor2tensor's `beam_search`).
 
     Each step expands the alive beams into 2*beam_size candidates: those ending in EOS (or
@@ -250,7 +279,8 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     batch = tf.shape(source_ids)[0]
     min_length = tf.where(force_length > 0, force_length + 1, min_length)
     limits, steps, width, stepper = _setup(model, source_ids, beam_size, extra_length,
-                                           max_length, force_length, use_cache, jit_compile)
+                                           max_length, force_length, use_cache, jit_compile,
+                                           prefix=prefix)
 
     vocab_size = stepper.vocab_size
     biases = None if vocab_size is None else _token_biases(vocab_size)
@@ -259,12 +289,14 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
 
     def step(index, rows, state):
         (sentences, active, alive_seq, alive_log_probs, finished_seq, finished_scores,
-         finished_flags, sentence_limits, max_penalty) = rows
+         finished_flags, sentence_limits, max_penalty, *extras) = rows
         # From shapes, so that under XLA the beam size is a compile-time constant (top_k's k).
         count, beams = tf.shape(alive_log_probs)[0], tf.shape(alive_log_probs)[1]
         log_probs, state = stepper(tf.reshape(alive_seq, [count * beams, width]), index, state)
         vocab = tf.shape(log_probs)[-1]
         log_probs += _token_bias(biases, log_probs, index, min_length)
+        if prefix is not None:
+            log_probs = _force_prefix(log_probs, tf.repeat(extras[0], beams, axis=0), index)
         candidates = alive_log_probs[:, :, None] + tf.reshape(log_probs, [count, beams, vocab])
         top_log_probs, top_ids = tf.math.top_k(
             tf.reshape(candidates, [count, beams * vocab]), k=2 * beams)
@@ -299,7 +331,8 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
         settled = finished_flags[:, last] & (finished_scores[:, last] > best_alive_bound)
         stops = active & (at_limit | settled)
         rows = (sentences, active & tf.logical_not(stops), alive_seq, alive_log_probs,
-                finished_seq, finished_scores, finished_flags, sentence_limits, max_penalty)
+                finished_seq, finished_scores, finished_flags, sentence_limits, max_penalty,
+                *extras)
         # The next step's cache rows: each surviving beam's parent row.
         parent_rows = alive_parents + tf.range(count)[:, None] * beams
         return rows, stops, tf.reshape(parent_rows, [-1]), state
@@ -312,7 +345,7 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     finished_scores = tf.fill([batch, beam_size], NEG_INF)
     rows = (tf.range(batch), tf.ones([batch], tf.bool), alive_seq, alive_log_probs,
             tf.zeros_like(alive_seq), finished_scores, tf.zeros([batch, beam_size], tf.bool),
-            limits, length_penalty(limits, alpha))
+            limits, length_penalty(limits, alpha), *(() if prefix is None else (prefix,)))
     outputs = (tf.zeros_like(alive_seq), finished_scores)
     output, output_scores = _search(step, lambda rows: rows[4:6], rows, outputs, stepper,
                                     steps, beam_size, jit_compile)

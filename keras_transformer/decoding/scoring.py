@@ -1,5 +1,5 @@
-"""How good a model is: sacreBLEU and chrF of its translations (13a, cased, detokenized), and
-its exact per-token validation loss."""
+"""How good a model's translations are: sacreBLEU and chrF (13a, cased, detokenized). The
+exact per-token validation loss is `training.losses.validation_loss`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from keras_transformer.training.losses import masked_token_loss_sum
-
-__all__ = ["score_translations", "validation_loss"]
+__all__ = ["score_translations"]
 
 
 def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -42,24 +40,3 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
         "bleu_bp": float(bleu_score.bp),
         "sentences": len(hypotheses),
     }
-
-
-
-
-def validation_loss(model, batches, label_smoothing: float = 0.1) -> float:
-    """Label-smoothed cross-entropy per target token of `model` over `batches`: the exact
-    token mean over the whole split, not a mean of batch means.
-
-    Args:
-        model: a `Transformer`.
-        batches: `(features, labels)` pairs, e.g. `make_batches(corpus, tokenizer,
-            shuffle=False)`.
-        label_smoothing: epsilon_ls (0 gives the plain cross-entropy).
-    """
-    total = tokens = 0.0
-    for features, labels in batches:
-        loss_sum, count = masked_token_loss_sum(labels, model(features, training=False),
-                                                label_smoothing, differentiable=False)
-        total += float(loss_sum)
-        tokens += float(count)
-    return total / max(tokens, 1.0)

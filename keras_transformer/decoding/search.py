@@ -28,6 +28,7 @@ from keras_transformer.decoding.loops import (
     greedy_loop,
     length_penalty,
 )
+from keras_transformer.decoding.sampling import Sampling
 from pipelines.constants import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
@@ -47,6 +48,8 @@ CHARS_PER_TOKEN = 16
 _NO_LIMIT = 2**30
 
 _SOURCE_SPEC = tf.TensorSpec([None, None], tf.int32, name="source_ids")
+_PREFIX_SPEC = tf.TensorSpec([None, None], tf.int32, name="prefix_ids")
+_SEEDS_SPEC = tf.TensorSpec([None], tf.uint32, name="seeds")
 _SCALARS = {
     "beam_size": tf.TensorSpec([], tf.int32), "alpha": tf.TensorSpec([], tf.float32),
     "extra_length": tf.TensorSpec([], tf.int32), "max_length": tf.TensorSpec([], tf.int32),
@@ -67,7 +70,7 @@ def _prepare_source(source_ids):
     return tf.pad(source_ids, [[0, 0], [0, tf.maximum(1 - width, 0)]])
 
 
-def _compiled(model, key: tuple, build) -> Any:
+def compiled_per_model(model, key: tuple, build) -> Any:
     """The `tf.function` for `key` on `model`, traced once per model and key."""
     per_model = getattr(model, _CACHE_ATTRIBUTE, None)
     if per_model is None:
@@ -80,6 +83,26 @@ def _compiled(model, key: tuple, build) -> Any:
     if key not in per_model:
         per_model[key] = build()
     return per_model[key]
+
+
+def _prepare_prefix(prefix_ids):
+    """int32 (batch, max(P, 1)), or None: tokens forced at the first steps, 0-padded."""
+    if prefix_ids is None:
+        return None
+    prefix_ids = tf.cast(tf.convert_to_tensor(prefix_ids), tf.int32)
+    if prefix_ids.shape.rank != 2:
+        raise ValueError(f"prefix_ids must be (batch, length), got shape {prefix_ids.shape}.")
+    width = tf.shape(prefix_ids)[1]
+    return tf.pad(prefix_ids, [[0, 0], [0, tf.maximum(1 - width, 0)]])
+
+
+def _prepare_seeds(sampling, seeds):
+    """uint32 (batch,) per-sentence seeds, or None without sampling."""
+    if sampling is None:
+        return None
+    if seeds is None:
+        raise ValueError("sampling needs seeds: one per sentence (decoding.sampling.line_seeds).")
+    return tf.cast(tf.convert_to_tensor(seeds), tf.uint32)
 
 
 def _options(extra_length, max_length, min_length, force_length) -> dict[str, tf.Tensor]:
@@ -106,8 +129,11 @@ def greedy_search(
     min_length: int = 0,
     force_length: int | None = None,
     jit_compile: bool = False,
+    prefix_ids=None,
+    sampling: Sampling | None = None,
+    seeds=None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """Greedy decoding of a batch: the most likely token at every step.
+    """Greedy decoding of a batch: the most likely token at every step (or a sampled one).
 
     Args:
         model: a `Transformer`, an `InferenceModel`, or any object with the Transformer's
@@ -124,6 +150,13 @@ def greedy_search(
             CPU faster for small batches and greedy search, slower for beam search over
             large batches; each new (rows, source width, length) bucket costs seconds of
             compilation, so it pays off for long runs of similar batches.
+        prefix_ids: int (batch, P), 0-padded: target tokens forced at the first steps (no
+            BOS, no EOS); their log-probabilities count in the score. The limit grows to at
+            least P + 1 tokens.
+        sampling: draw each token at random (`decoding.sampling.Sampling`) instead of taking
+            the most likely one.
+        seeds: uint32 (batch,) with `sampling`: each sentence's seed
+            (`decoding.sampling.line_seeds` of the user's seed and the line's index).
 
     Returns:
         (ids int32 (batch, T): tokens ending with EOS unless cut by the limit, then 0-padded;
@@ -131,20 +164,27 @@ def greedy_search(
     """
     options = _options(extra_length, max_length, min_length, force_length)
     source_ids = _prepare_source(source_ids)
+    extras = {"prefix": _prepare_prefix(prefix_ids),
+              "seeds": _prepare_seeds(sampling, seeds)}
+    extras = {name: value for name, value in extras.items() if value is not None}
     if tf.inside_function():
         return greedy_loop(model, source_ids, use_cache=use_cache, jit_compile=jit_compile,
-                           **options)
+                           sampling=sampling, **options, **extras)
 
     def build():
-        signature = [_SOURCE_SPEC] + [_SCALARS[name] for name in options]
-        return tf.function(
-            lambda source, *args: greedy_loop(
-                model, source, *args, use_cache=use_cache, jit_compile=jit_compile),
-            input_signature=signature, autograph=False,
-        )
+        specs = {"prefix": _PREFIX_SPEC, "seeds": _SEEDS_SPEC}
+        signature = ([_SOURCE_SPEC] + [_SCALARS[name] for name in options]
+                     + [specs[name] for name in extras])
 
-    search = _compiled(model, ("greedy", use_cache, jit_compile), build)
-    return search(source_ids, *options.values())
+        def search(source, *args):
+            named = dict(zip(extras, args[len(options):], strict=True))
+            return greedy_loop(model, source, *args[:len(options)], use_cache=use_cache,
+                               jit_compile=jit_compile, sampling=sampling, **named)
+        return tf.function(search, input_signature=signature, autograph=False)
+
+    key = ("greedy", use_cache, jit_compile, "prefix" in extras, sampling)
+    search = compiled_per_model(model, key, build)
+    return search(source_ids, *options.values(), *extras.values())
 
 
 def beam_search(
@@ -159,6 +199,7 @@ def beam_search(
     min_length: int = 0,
     force_length: int | None = None,
     jit_compile: bool = False,
+    prefix_ids=None,
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """Beam search of a batch with the GNMT length penalty ((5 + length) / 6) ** alpha.
 
@@ -170,8 +211,8 @@ def beam_search(
             inside a `tf.function`.
         alpha: length penalty exponent (paper: 0.6); 0 ranks by plain log-probability. Must be
             >= 0 for the early stop to be exact. May be a scalar float32 tensor.
-        extra_length, max_length, min_length, force_length, use_cache, jit_compile: as in
-            `greedy_search`.
+        extra_length, max_length, min_length, force_length, use_cache, jit_compile,
+            prefix_ids: as in `greedy_search`.
         num_return: hypotheses returned per sentence, best first (<= beam_size); None for all
             beam_size of them.
 
@@ -191,22 +232,28 @@ def beam_search(
     source_ids = _prepare_source(source_ids)
     beam_size = tf.cast(beam_size, tf.int32)
     alpha = tf.cast(alpha, tf.float32)
+    prefix = _prepare_prefix(prefix_ids)
     if tf.inside_function():
         ids, scores = beam_loop(model, source_ids, beam_size, alpha, num_return=num_return,
-                                use_cache=use_cache, jit_compile=jit_compile, **options)
+                                use_cache=use_cache, jit_compile=jit_compile, prefix=prefix,
+                                **options)
     else:
         def build():
             names = ["beam_size", "alpha", *options]
-            return tf.function(
-                lambda source, *args: beam_loop(
-                    model, source, *args, num_return=num_return, use_cache=use_cache,
-                    jit_compile=jit_compile),
-                input_signature=[_SOURCE_SPEC] + [_SCALARS[name] for name in names],
-                autograph=False,
-            )
+            signature = [_SOURCE_SPEC] + [_SCALARS[name] for name in names]
 
-        search = _compiled(model, ("beam", use_cache, num_return, jit_compile), build)
-        ids, scores = search(source_ids, beam_size, alpha, *options.values())
+            def search(source, *args):
+                named = {} if prefix is None else {"prefix": args[-1]}
+                return beam_loop(model, source, *args[:len(names)], num_return=num_return,
+                                 use_cache=use_cache, jit_compile=jit_compile, **named)
+            return tf.function(
+                search, autograph=False,
+                input_signature=signature + ([] if prefix is None else [_PREFIX_SPEC]))
+
+        key = ("beam", use_cache, num_return, jit_compile, prefix is not None)
+        search = compiled_per_model(model, key, build)
+        ids, scores = search(source_ids, beam_size, alpha, *options.values(),
+                             *(() if prefix is None else (prefix,)))
     if num_return == 1:
         return ids[:, 0], scores[:, 0]
     return ids, scores

@@ -21,7 +21,8 @@ characters and Unicode spaces are folded to one space; each text is cut to
 output has at most min(input tokens + max_extra_length, max_input_tokens + max_extra_length)
 tokens; beam_size is clipped to [1, max_beam_size], alpha to [0, 10] (NaN/inf -> default);
 batches are sorted by length and decoded in chunks of `chunk_size` sentences, so memory stays
-bounded for any batch size. Every input yields one output string (possibly empty).
+bounded for any batch size. Every input yields one output string; an empty input (nothing
+left after cleaning) an empty string with score 0.
 
 Mixed precision: a model trained under mixed_bfloat16 is rebuilt in float32 with the same
 weights (its variables are float32 already), because float32 runs on every serving CPU and GPU.
@@ -53,6 +54,7 @@ from keras_transformer.decoding.search import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
     beam_search,
+    clean_texts,
     encode_texts,
     greedy_search,
     length_penalty,
@@ -167,6 +169,11 @@ class TranslationModule(tf.Module):
                           lambda: tf.gather(outputs.concat(), inverse))
         scores = tf.cond(empty, lambda: tf.zeros([0, width], tf.float32),
                          lambda: tf.gather(scores.concat(), inverse))
+        # An empty line (nothing left after cleaning) translates to an empty string, score 0,
+        # as in the Python API: no sentence is made up from EOS alone.
+        blank = tf.equal(clean_texts(texts, 1), "")[:, None]
+        outputs = tf.where(blank, tf.constant(""), outputs)
+        scores = tf.where(blank, 0.0, scores)
         if nbest:
             return outputs, scores
         return outputs[:, 0], scores[:, 0]

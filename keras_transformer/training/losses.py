@@ -227,3 +227,22 @@ class GlobalTokenCrossEntropy(LabelSmoothedCrossEntropy):
         tokens = ops.maximum(tokens, 1.0)
         gradient_part = local / tokens
         return gradient_part + ops.stop_gradient(total / (tokens * replicas) - gradient_part)
+
+
+def validation_loss(model, batches, label_smoothing: float = 0.1) -> float:
+    """Label-smoothed cross-entropy per target token of `model` over `batches`: the exact
+    token mean over the whole split, not a mean of batch means.
+
+    Args:
+        model: a `Transformer`.
+        batches: `(features, labels)` pairs, e.g. `make_batches(corpus, tokenizer,
+            shuffle=False)`.
+        label_smoothing: epsilon_ls (0 gives the plain cross-entropy).
+    """
+    total = tokens = 0.0
+    for features, labels in batches:
+        loss_sum, count = masked_token_loss_sum(labels, model(features, training=False),
+                                                label_smoothing, differentiable=False)
+        total += float(loss_sum)
+        tokens += float(count)
+    return total / max(tokens, 1.0)

@@ -38,7 +38,7 @@ from keras_transformer.cluster.workers import (
     read_cluster,
     report_refusal,
 )
-from keras_transformer.decoding.scoring import score_translations, validation_loss
+from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
@@ -49,6 +49,7 @@ from keras_transformer.training.config import DEFAULT_MAX_STEPS, EvaluationConfi
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
 from keras_transformer.training.keras_backend import check_backend, finishing_command
+from keras_transformer.training.losses import validation_loss
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.val_choice import (
     choose_on_val_bleu,

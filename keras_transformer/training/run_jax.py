@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from keras_transformer import run_directory
-from keras_transformer.decoding.scoring import validation_loss
 from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training import fit_jax
 from keras_transformer.training.config import TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.keras_backend import check_backend, finishing_command
+from keras_transformer.training.losses import validation_loss
 from pipelines import storage
 from pipelines.prepared_folder import PreparedFolder
 

@@ -10,9 +10,10 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import run_directory
-from keras_transformer.decoding.translator import ModelError, load_translator, translate_texts
+from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.logs import is_native_log_line
+from keras_transformer.serving.translator import ModelError, load_translator
 from keras_transformer.translate import main
 from tests.cli.test_train import cli_env
 from tests.serving.test_saved_model import shared_artifacts

@@ -1,0 +1,127 @@
+"""Random sampling of the next token (top-k, nucleus, temperature), seeded per input line.
+
+Sampling replaces the argmax of greedy search; it serves back-translation and data generation
+(Edunov et al. 2018: sampled back-translations beat beam search on large monolingual data).
+
+Reproducible by construction: each step draws one uniform number from a counter-based hash of
+(the line's seed, the step), and the line's seed is a hash of (the user's seed, the line's
+index in its input). So a line's output depends on neither the batch it shares, nor the order
+of the lines, nor an interrupted run resumed later; only on the seed, the line's index and the
+model. The hash is integer arithmetic on uint32 (stock TensorFlow ops, so it exports into a
+SavedModel); a numpy twin (`line_seeds_numpy`) gives the same seeds outside TensorFlow.
+
+The token is drawn by inverse transform sampling over the kept candidates: their probabilities
+(softmax of log-probs / temperature) in descending order, cumulated, and the first candidate
+whose cumulative mass exceeds u * total. With `top_k` 1 that is the argmax: greedy search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["Sampling", "choose_tokens", "line_seeds", "line_seeds_numpy", "step_uniforms"]
+
+# The "lowbias32" integer hash (Chris Wellons' hash-prospector): full avalanche on 32 bits.
+_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+_GOLDEN = 0x9E3779B9  # separates the counters of consecutive steps and lines
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Random sampling options (CTranslate2's names without the `sampling_` prefix).
+
+    Args:
+        top_k: sample among the k most likely tokens; 0 for the whole vocabulary; 1 is greedy.
+        top_p: nucleus sampling: among the fewest most likely tokens whose probability sums
+            to at least top_p (after top_k); 1.0 keeps them all.
+        temperature: log-probs are divided by it before the softmax (< 1 sharper, > 1 flatter).
+        seed: with the line's index in its input, fixes the line's random draws.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}.")
+
+
+def _hash(x):
+    """lowbias32 of uint32 tensors (wrapping arithmetic)."""
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+    x = x * tf.constant(_MULTIPLIERS[0], tf.uint32)
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(15, tf.uint32)))
+    x = x * tf.constant(_MULTIPLIERS[1], tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+def line_seeds(seed, line_indices):
+    """Per-line seeds uint32 (n,) from the user's seed and each line's index (n,) in its input."""
+    seed = tf.cast(tf.cast(seed, tf.int64), tf.uint32)
+    lines = tf.cast(tf.cast(line_indices, tf.int64), tf.uint32)
+    return _hash(_hash(seed) ^ (lines * tf.constant(_GOLDEN, tf.uint32)))
+
+
+def line_seeds_numpy(seed: int, line_indices) -> np.ndarray:
+    """`line_seeds` in numpy (the same uint32 values)."""
+    def hashed(x):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(_MULTIPLIERS[0])
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(_MULTIPLIERS[1])
+        return x ^ (x >> np.uint32(16))
+
+    with np.errstate(over="ignore"):
+        lines = np.asarray(line_indices, np.int64).astype(np.uint32)
+        return hashed(hashed(np.uint32(seed)) ^ (lines * np.uint32(_GOLDEN)))
+
+
+def step_uniforms(seeds, index):
+    """One uniform float32 in [0, 1) per row: rows' seeds uint32 (n,), the step index."""
+    counter = tf.cast(tf.cast(index, tf.int64), tf.uint32) * tf.constant(_GOLDEN, tf.uint32)
+    bits = tf.bitwise.right_shift(_hash(seeds + counter + tf.constant(1, tf.uint32)),
+                                  tf.constant(8, tf.uint32))
+    return tf.cast(bits, tf.float32) * (1.0 / 2**24)  # 24 bits: exact in float32
+
+
+def choose_tokens(log_probs, uniforms, sampling: Sampling):
+    """Sampled token ids int32 (n,) from log-probs (n, vocab) (forbidden tokens at -1e9).
+
+    Args:
+        log_probs: float32 (n, vocab), already biased (forbidden tokens very negative).
+        uniforms: float32 (n,) in [0, 1), from `step_uniforms`.
+        sampling: the options.
+    """
+    vocab = tf.shape(log_probs)[-1]
+    logits = log_probs / sampling.temperature
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        # top_k sorts only the k best (a full sort when only top_p is given).
+        k = tf.minimum(sampling.top_k, vocab) if sampling.top_k > 0 else vocab
+        logits, candidates = tf.math.top_k(logits, k=k)
+    else:
+        candidates = None
+    probs = tf.nn.softmax(logits)
+    if sampling.top_p < 1.0:
+        # Keep a candidate while the mass before it is below top_p (the best one always).
+        before = tf.cumsum(probs, axis=-1, exclusive=True)
+        probs = tf.where(before < sampling.top_p, probs, 0.0)
+    cumulative = tf.cumsum(probs, axis=-1)
+    threshold = uniforms[:, None] * cumulative[:, -1:]
+    # The first candidate whose cumulative mass exceeds the threshold; zero-mass candidates
+    # (dropped by top_p) never are, as their cumulative equals their predecessor's.
+    position = tf.reduce_sum(tf.cast(cumulative <= threshold, tf.int32), axis=-1)
+    position = tf.minimum(position, tf.shape(probs)[-1] - 1)
+    if candidates is None:
+        return position
+    return tf.gather(candidates, position, batch_dims=1)
