@@ -44,7 +44,7 @@ def piece_words(pieces: Sequence[str]) -> list[int]:
 
 def word_alignment(attention: np.ndarray, source_pieces: Sequence[str],
                    target_pieces: Sequence[str], shift: bool = DEFAULT_SHIFT) -> Links:
-    """Source-target word links (i, j), sorted, one per target word.
+    """Source-target word links (i, j), one per target word, in target order.
 
     Args:
         attention: float (T, S): row t is the attention of the decoder step that predicts
@@ -68,7 +68,7 @@ def word_alignment(attention: np.ndarray, source_pieces: Sequence[str],
     np.add.at(by_source.T, source_words, weights.T)
     by_word = np.zeros((target_words[-1] + 1, by_source.shape[1]))
     np.add.at(by_word, target_words, by_source)
-    return sorted((int(np.argmax(row)), j) for j, row in enumerate(by_word))
+    return [(int(np.argmax(row)), j) for j, row in enumerate(by_word)]
 
 
 def diagonal_alignment(source_words: int, target_words: int) -> Links:

@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras_transformer.decoding.search import compiled_per_model
 from pipelines.constants import BOS_ID, PAD_ID
 
-__all__ = ["ForcedOutput", "forced_log_probs"]
+__all__ = ["ForcedOutput", "forced_log_probs", "forced_pass"]
 
 
 class ForcedOutput(NamedTuple):
@@ -30,7 +30,9 @@ class ForcedOutput(NamedTuple):
     attention: tf.Tensor | None  # float32 (batch, T, S): one layer's heads averaged, or None
 
 
-def _forced(model, source_ids, target_ids, attention_layer):
+def forced_pass(model, source_ids, target_ids, attention_layer: int | None):
+    """(token log-probs float32 (batch, T), attention (batch, T, S) or an empty tensor): the
+    traceable body of `forced_log_probs` (`attention_layer` in [0, layers) or None)."""
     decoder_input = tf.concat([tf.fill([tf.shape(target_ids)[0], 1], BOS_ID),
                                target_ids[:, :-1]], axis=1)
     encoder_output, source_mask = model.encode(source_ids)
@@ -75,7 +77,7 @@ def forced_log_probs(model, source_ids, target_ids,
                             else tf.zeros([batch, 0, tf.shape(source_ids)[1]]))
 
     def build():
-        return tf.function(lambda source, target: _forced(model, source, target,
+        return tf.function(lambda source, target: forced_pass(model, source, target,
                                                           attention_layer),
                            reduce_retracing=True, autograph=False)
 

@@ -46,7 +46,14 @@ class Sampling:
     temperature: float = 1.0
     seed: int = 0
 
+    @property
+    def static(self) -> bool:
+        """Python values (the options fixed when the search is traced), not tensors."""
+        return not any(isinstance(value, tf.Tensor) for value in vars(self).values())
+
     def __post_init__(self):
+        if any(isinstance(value, tf.Tensor) for value in vars(self).values()):
+            return  # a SavedModel's inputs: clipped there, not checked here
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -101,27 +108,37 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling):
     Args:
         log_probs: float32 (n, vocab), already biased (forbidden tokens very negative).
         uniforms: float32 (n,) in [0, 1), from `step_uniforms`.
-        sampling: the options.
+        sampling: the options: Python values (the branches are chosen while tracing), or
+            scalar tensors (a SavedModel's inputs: the branches are chosen at run time).
     """
-    vocab = tf.shape(log_probs)[-1]
-    logits = log_probs / sampling.temperature
-    if sampling.top_k > 0 or sampling.top_p < 1.0:
-        # top_k sorts only the k best (a full sort when only top_p is given).
-        k = tf.minimum(sampling.top_k, vocab) if sampling.top_k > 0 else vocab
-        logits, candidates = tf.math.top_k(logits, k=k)
-    else:
-        candidates = None
+    logits = log_probs / tf.cast(sampling.temperature, tf.float32)
+    if sampling.static:
+        if sampling.top_k > 0 or sampling.top_p < 1.0:
+            return _sorted_choice(logits, uniforms, sampling.top_k, sampling.top_p)
+        return _inverse_transform(tf.nn.softmax(logits), uniforms)
+    top_k, top_p = tf.cast(sampling.top_k, tf.int32), tf.cast(sampling.top_p, tf.float32)
+    return tf.cond((top_k > 0) | (top_p < 1.0),
+                   lambda: _sorted_choice(logits, uniforms, top_k, top_p),
+                   lambda: _inverse_transform(tf.nn.softmax(logits), uniforms))
+
+
+def _sorted_choice(logits, uniforms, top_k, top_p):
+    """The choice among the best candidates: the top_k best (a full sort for 0), then the
+    nucleus of mass top_p among them."""
+    vocab = tf.shape(logits)[-1]
+    k = tf.where(top_k > 0, tf.minimum(top_k, vocab), vocab)
+    logits, candidates = tf.math.top_k(logits, k=k)
     probs = tf.nn.softmax(logits)
-    if sampling.top_p < 1.0:
-        # Keep a candidate while the mass before it is below top_p (the best one always).
-        before = tf.cumsum(probs, axis=-1, exclusive=True)
-        probs = tf.where(before < sampling.top_p, probs, 0.0)
+    # Keep a candidate while the mass before it is below top_p (the best one always).
+    before = tf.cumsum(probs, axis=-1, exclusive=True)
+    probs = tf.where(before < top_p, probs, 0.0)
+    return tf.gather(candidates, _inverse_transform(probs, uniforms), batch_dims=1)
+
+
+def _inverse_transform(probs, uniforms):
+    """The first position whose cumulative mass exceeds uniforms * total (n,) int32;
+    zero-mass positions never are (their cumulative equals their predecessor's)."""
     cumulative = tf.cumsum(probs, axis=-1)
     threshold = uniforms[:, None] * cumulative[:, -1:]
-    # The first candidate whose cumulative mass exceeds the threshold; zero-mass candidates
-    # (dropped by top_p) never are, as their cumulative equals their predecessor's.
     position = tf.reduce_sum(tf.cast(cumulative <= threshold, tf.int32), axis=-1)
-    position = tf.minimum(position, tf.shape(probs)[-1] - 1)
-    if candidates is None:
-        return position
-    return tf.gather(candidates, position, batch_dims=1)
+    return tf.minimum(position, tf.shape(probs)[-1] - 1)

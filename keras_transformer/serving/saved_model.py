@@ -12,6 +12,9 @@ Signatures:
         -> outputs string (N,), scores float32 (N,); beam_size 1 decodes greedily.
     translate_nbest: same inputs -> outputs string (N, beam_size), scores (N, beam_size),
         best first.
+    translate_details, translate_prefix, sample, score: n-best details (log-probs,
+        finished flags, pieces, token log-probs, alignments), forced prefixes, seeded sampling
+        and forced decoding of given pairs (`serving.detailed_signatures`).
 TF2 signatures have no optional inputs, and TF Serving's row format ({"instances": [...]})
 needs a single-input signature, so the tunable beam size and penalty live in `translate`.
 
@@ -47,6 +50,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from keras_transformer.decoding import inference_decoder
+from keras_transformer.decoding.alignment import DEFAULT_ALIGNMENT_LAYER
 from keras_transformer.decoding.inference_decoder import InferenceModel
 from keras_transformer.decoding.search import (
     DEFAULT_ALPHA,
@@ -59,14 +63,17 @@ from keras_transformer.decoding.search import (
     greedy_search,
     length_penalty,
 )
+from keras_transformer.serving.detailed_signatures import (
+    MAX_BEAM_SIZE,
+    DetailedSignatures,
+    clip_beam_and_alpha,
+)
 from pipelines import storage
 from pipelines.constants import PAD_ID
 from pipelines.storage import StorageError
 
 __all__ = ["TranslationModule", "export_saved_model", "latest_version", "serving_model"]
 
-MAX_BEAM_SIZE = 16
-MAX_ALPHA = 10.0
 DEFAULT_CHUNK_SIZE = 32
 METADATA_FILE = "assets.extra/keras_transformer.json"
 _TEMP_PREFIX = ".tmp-export-"
@@ -76,7 +83,7 @@ _BEAM = tf.TensorSpec([], tf.int32, name="beam_size")
 _ALPHA = tf.TensorSpec([], tf.float32, name="alpha")
 
 
-class TranslationModule(tf.Module):
+class TranslationModule(DetailedSignatures, tf.Module):
     """Text-to-text translation with the model and tokenizer as tracked attributes.
 
     Args:
@@ -90,13 +97,16 @@ class TranslationModule(tf.Module):
             (see `keras_transformer.decoding.loops`). TF Serving runs it only with
             `--xla_cpu_compilation_enabled=true` on CPUs; the first request of each new shape
             compiles (seconds).
+        alignment_layer: the decoder layer whose cross-attention gives the alignments of
+            `translate_details` and `score` (`decoding.alignment`).
     """
 
     def __init__(self, model, tokenizer, *, beam_size: int = DEFAULT_BEAM_SIZE,
                  alpha: float = DEFAULT_ALPHA,
                  max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
                  max_extra_length: int = DEFAULT_EXTRA_LENGTH,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, jit_compile: bool = False):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, jit_compile: bool = False,
+                 alignment_layer: int = DEFAULT_ALIGNMENT_LAYER):
         super().__init__(name="translator")
         if not 1 <= beam_size <= MAX_BEAM_SIZE:
             raise ValueError(f"beam_size must be in [1, {MAX_BEAM_SIZE}], got {beam_size}.")
@@ -112,6 +122,7 @@ class TranslationModule(tf.Module):
         self.max_output_tokens = self.max_input_tokens + self.max_extra_length
         self.chunk_size = int(chunk_size)
         self.jit_compile = bool(jit_compile)
+        self.alignment_layer = int(alignment_layer)
 
     @tf.function(input_signature=[_STRINGS], autograph=False)
     def serve(self, inputs):
@@ -134,9 +145,7 @@ class TranslationModule(tf.Module):
 
     def _translate(self, inputs, beam_size, alpha, nbest: bool):
         texts = tf.reshape(inputs, [-1])
-        beam_size = tf.clip_by_value(beam_size, 1, MAX_BEAM_SIZE)
-        alpha = tf.where(tf.math.is_finite(alpha), tf.clip_by_value(alpha, 0.0, MAX_ALPHA),
-                         DEFAULT_ALPHA)
+        beam_size, alpha = clip_beam_and_alpha(beam_size, alpha)
         sources = encode_texts(self.tokenizer, texts, self.max_input_tokens)
         count = tf.shape(texts)[0]
         # Sorting by length keeps padding (and the longest sentence's step count) per chunk low.
@@ -276,6 +285,10 @@ def export_saved_model(
             "serving_default": module.serve,
             "translate": module.translate,
             "translate_nbest": module.translate_nbest,
+            "translate_details": module.translate_details,
+            "translate_prefix": module.translate_prefix,
+            "sample": module.sample,
+            "score": module.score,
         }
         tf.saved_model.save(module, str(staging), signatures=signatures)
         metadata = {
@@ -284,7 +297,7 @@ def export_saved_model(
             "max_extra_length": module.max_extra_length,
             "max_output_tokens": module.max_output_tokens,
             "max_beam_size": MAX_BEAM_SIZE, "chunk_size": module.chunk_size,
-            "jit_compile": module.jit_compile,
+            "jit_compile": module.jit_compile, "alignment_layer": module.alignment_layer,
             "model_config": _jsonable(model.get_config()),
             "vocab_size": int(tokenizer.vocab_size),
         }
