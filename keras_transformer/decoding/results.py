@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from keras_transformer.decoding.alignment import format_pharaoh
+from keras_transformer.decoding.alignment import format_pharaoh, piece_words
 
-__all__ = ["FLAGS", "Hypothesis", "Translation", "penalized_score"]
+__all__ = ["FLAGS", "Hypothesis", "Translation", "line_translation", "penalized_score"]
 
 # Line flags: what happened to a line on the way (docs/translating.md).
 FLAGS = {
@@ -105,6 +105,53 @@ class Translation:
         if len(self.hypotheses) > 1:
             record["nbest"] = [hypothesis.as_json() for hypothesis in self.hypotheses]
         return record
+
+
+def line_translation(parts, flags: list[str], alpha: float, token_scores: bool,
+                     alignment: bool) -> Translation:
+    """One line's `Translation` from its decoded segments, whichever engine decoded them.
+
+    Args:
+        parts: [(segment number, hypotheses best first, source pieces)], in any order;
+            empty for an empty line.
+        flags: the line's flags so far (`decoding.long_inputs`).
+        alpha: the length penalty of a split line's joined score.
+        token_scores, alignment: whether the hypotheses carry token log-probs, alignments.
+    """
+    parts = sorted(parts, key=lambda part: part[0])  # decoded by length: back in text order
+    if not parts:
+        empty = Hypothesis("", 0.0, 0.0, True, [], [] if token_scores else None,
+                           [] if alignment else None)
+        return Translation([empty], list(flags), [])
+    if len(parts) == 1:
+        _, hypotheses, source_pieces = parts[0]
+        best = hypotheses[0]
+        flags = list(flags) + ([] if best.finished else ["length_limit"])
+        return Translation(hypotheses, flags, source_pieces)
+    return _joined(parts, flags, alpha, token_scores, alignment)
+
+
+def _joined(parts, flags, alpha: float, token_scores: bool, alignment: bool) -> Translation:
+    """A split line: the best hypotheses of its segments, one after another."""
+    bests = [hypotheses[0] for _, hypotheses, _ in parts]
+    length = sum(len(best.pieces) + int(best.finished) for best in bests)
+    log_prob = sum(best.log_prob for best in bests)
+    joined = Hypothesis(
+        text=" ".join(best.text for best in bests if best.text),
+        score=penalized_score(log_prob, length, alpha), log_prob=log_prob,
+        finished=all(best.finished for best in bests),
+        pieces=[piece for best in bests for piece in best.pieces])
+    if token_scores:
+        joined.token_log_probs = [value for best in bests for value in best.token_log_probs]
+    if alignment:
+        links, source_offset, target_offset = [], 0, 0
+        for (_, _, source_pieces), best in zip(parts, bests, strict=True):
+            links += [(i + source_offset, j + target_offset) for i, j in best.alignment]
+            source_offset += len(set(piece_words(source_pieces)))
+            target_offset += len(set(piece_words(best.pieces)))
+        joined.alignment = links
+    flags = list(flags) + ([] if joined.finished else ["length_limit"])
+    return Translation([joined], flags, [p for _, _, pieces in parts for p in pieces])
 
 
 def _finite(value: float) -> float | None:
