@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from keras_transformer.decoding.alignment import DEFAULT_ALIGNMENT_LAYER
 from keras_transformer.layers.embedding import sinusoidal_encoding
 from pipelines import storage
 from pipelines.storage import StorageError
@@ -34,12 +35,14 @@ from pipelines.storage import StorageError
 POSITIONS = 1024
 
 
-def transformer_spec(model, tokenizer):
+def transformer_spec(model, tokenizer, alignment_layer: int = DEFAULT_ALIGNMENT_LAYER):
     """The `ctranslate2.specs.TransformerSpec` holding `model`'s weights.
 
     Args:
         model: a post-norm `keras_transformer.model.transformer.Transformer` (float32 weights).
         tokenizer: its `pipelines.tokenizer.SubwordTokenizer`.
+        alignment_layer: the decoder layer whose attention (all heads averaged) CTranslate2
+            returns with `return_attention`, as our alignments read it.
 
     Raises:
         ValueError: a pre-norm model (not converted yet), or a vocabulary that does not
@@ -61,7 +64,8 @@ def transformer_spec(model, tokenizer):
                   "gelu": common_spec.Activation.GELU}[config.activation]
     spec = transformer_spec.TransformerSpec.from_config(
         (config.num_layers, config.num_layers), config.num_heads, pre_norm=False,
-        activation=activation)
+        activation=activation, alignment_layer=alignment_layer,
+        alignment_heads=config.num_heads)
     d_model = config.d_model
     embedding = weights["source_embedding/embeddings"]
     positions = np.asarray(sinusoidal_encoding(np.arange(POSITIONS), d_model), np.float32)
@@ -120,12 +124,14 @@ def transformer_spec(model, tokenizer):
 
 
 def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
-                       quantization: str | None = None) -> Path:
+                       quantization: str | None = None,
+                       alignment_layer: int = DEFAULT_ALIGNMENT_LAYER) -> Path:
     """Writes the CTranslate2 model directory `directory` (model.bin, config.json,
     shared_vocabulary.json) and our SentencePiece model as `sentencepiece.model`.
 
     Args:
         quantization: None (float32 weights) or a CTranslate2 quantization, e.g. "int8".
+        alignment_layer: the decoder layer behind `return_attention` (`transformer_spec`).
 
     Raises:
         FileExistsError: `directory` exists.
@@ -135,7 +141,7 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
     directory = Path(directory)
     if directory.exists():
         raise FileExistsError(f"{directory} exists; choose a new directory")
-    spec = transformer_spec(model, tokenizer)
+    spec = transformer_spec(model, tokenizer, alignment_layer)
     spec.validate()
     spec.optimize(quantization=quantization)
     # model.bin holds the (quantized) weights; the vocabulary and config are a few KB more.

@@ -17,8 +17,12 @@ import pytest
 import sacrebleu
 import sentencepiece as spm
 
-from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.decoding.translator import force_decode, translate_batch, translate_texts
 from keras_transformer.serving.ctranslate2 import export_ctranslate2, translate_with_ctranslate2
+from keras_transformer.serving.ctranslate2_translation import (
+    force_decode_with_ctranslate2,
+    translate_batch_with_ctranslate2,
+)
 from keras_transformer.training.losses import LabelSmoothedCrossEntropy
 from keras_transformer.training.optimizer import paper_adam
 from keras_transformer.training.trainer_model import build_trainer
@@ -74,3 +78,63 @@ def test_beam_search_bleu_is_the_same(trained):
     print(f"BLEU ours {ours_bleu:.2f}, CTranslate2 {theirs_bleu:.2f}")
     assert ours_bleu > 1.0  # the model has learnt something to agree on
     assert abs(ours_bleu - theirs_bleu) <= 0.3, (ours_bleu, theirs_bleu)
+
+
+# --- The translation interface on CTranslate2 (issue 37) ---
+
+
+def test_nbest_scores_prefixes_and_alignments_agree(trained):
+    model, tokenizer, translator, pieces, test = trained
+    sources = test.sources[:60]
+    ours = translate_batch(model, tokenizer, sources, beam_size=4, num_hypotheses=4,
+                           return_alignment=True)
+    theirs = translate_batch_with_ctranslate2(translator, pieces, sources, beam_size=4,
+                                              num_hypotheses=4, return_alignment=True)
+    same = [a.text == b.text for a, b in zip(ours, theirs, strict=True)]
+    assert sum(same) >= 0.95 * len(sources)
+    # Our other hypotheses, scored by CTranslate2 (score_batch): the same log-probabilities.
+    pairs = [(source, h) for source, r in zip(sources, ours, strict=True)
+             for h in r.hypotheses if h.finished]
+    scored = force_decode_with_ctranslate2(translator, pieces, [s for s, _ in pairs],
+                                           [h.pieces for _, h in pairs])
+    for (_, hypothesis), result in zip(pairs, scored, strict=True):
+        assert result.hypotheses[0].log_prob == pytest.approx(hypothesis.log_prob, abs=1e-3)
+        assert result.hypotheses[0].score == pytest.approx(hypothesis.score, abs=1e-3)
+    # CTranslate2's own scores mean ours too (its hypotheses forced through our model).
+    forced = force_decode(model, tokenizer, sources, [r.hypotheses[1].pieces for r in theirs])
+    for result, theirs_result in zip(forced, theirs, strict=True):
+        if theirs_result.hypotheses[1].finished:
+            assert result.hypotheses[0].log_prob == pytest.approx(
+                theirs_result.hypotheses[1].log_prob, abs=1e-3)
+    # Alignments of the same best output: the same links but, at most, the last word's
+    # (CTranslate2 does not return the attention after EOS).
+    links = agreeing = 0
+    for a, b, equal in zip(ours, theirs, same, strict=True):
+        if equal:
+            mine, other = a.hypotheses[0].alignment, b.hypotheses[0].alignment
+            links += len(mine)
+            agreeing += len(set(mine[:-1]) & set(other))
+            assert len(set(mine[:-1]) - set(other)) == 0
+    assert links > 0
+    prefixes = [" ".join(t.split()[:2]) for t in test.targets[:60]]
+    ours = translate_batch(model, tokenizer, sources, beam_size=4, target_prefix=prefixes)
+    theirs = translate_batch_with_ctranslate2(translator, pieces, sources, beam_size=4,
+                                              target_prefix=prefixes)
+    assert all(r.text.startswith(p) for r, p in zip(theirs, prefixes, strict=True))
+    assert sum(a.text == b.text for a, b in zip(ours, theirs, strict=True)) >= 0.95 * 60
+
+
+def test_ctranslate2_samples_are_scored_by_the_model(trained):
+    """CTranslate2 samples with its own generator (per worker thread: not reproducible
+    across calls, and never our strings); its scores still mean the model's log-prob."""
+    model, tokenizer, translator, pieces, test = trained
+    sources = test.sources[:20]
+    greedy = translate_batch_with_ctranslate2(translator, pieces, sources, beam_size=1)
+    sampled = translate_batch_with_ctranslate2(translator, pieces, sources, beam_size=1,
+                                               sampling_topk=0, seed=4)
+    assert [r.text for r in sampled] != [r.text for r in greedy]
+    forced = force_decode(model, tokenizer, sources, [r.hypotheses[0].pieces for r in sampled])
+    for ours, theirs in zip(forced, sampled, strict=True):
+        if theirs.hypotheses[0].finished:
+            assert ours.hypotheses[0].log_prob == pytest.approx(
+                theirs.hypotheses[0].log_prob, abs=1e-3)

@@ -1,0 +1,154 @@
+"""Translating with a CTranslate2 export as our Python API does: `Translation` objects with
+the same scores (`decoding.results`), n-best lists, forced prefixes, sampling, alignments
+and long inputs, and forced decoding through `score_batch`.
+
+CTranslate2 divides a hypothesis' log-probability by length^penalty; ours by
+((5 + length) / 6)^alpha, EOS counted. So beam search asks CTranslate2 for its `beam_size` best
+hypotheses scored unnormalised (a 1e-9 penalty), with twice the finished hypotheses before it
+stops (patience 2), and ranks them by ours (`translate_with_ctranslate2` in
+`serving.ctranslate2`, measured to give our beam-4 strings). Its scores are then the summed
+log-probabilities, EOS included (`return_end_token` tells finished from cut hypotheses).
+Alignments come from `return_attention`: the export's alignment layer, all its heads averaged
+(`export_ctranslate2(alignment_layer=...)`), read as `decoding.alignment` reads ours; the
+attention of the step after the last token (EOS) is not returned by CTranslate2, so with the
+shift the last word uses its own step's row. Sampling uses CTranslate2's own random generator
+(`seed` goes to `ctranslate2.set_random_seed`, but its worker threads draw on their own, so
+samples are not reproducible across calls): its strings differ from ours, as any two engines'
+samples do; its scores are still the model's log-probabilities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from keras_transformer.decoding.alignment import DEFAULT_SHIFT, word_alignment
+from keras_transformer.decoding.long_inputs import segment_lines
+from keras_transformer.decoding.results import (
+    Hypothesis,
+    Translation,
+    line_translation,
+    penalized_score,
+)
+from keras_transformer.decoding.search import (
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_EXTRA_LENGTH,
+    DEFAULT_MAX_INPUT_TOKENS,
+)
+
+__all__ = ["force_decode_with_ctranslate2", "translate_batch_with_ctranslate2"]
+
+EOS = "</s>"
+
+
+def _clean(text: str | bytes) -> str:
+    """What our cleaning does (`search.clean_texts`), in Python: invalid UTF-8 replaced,
+    control characters and Unicode spaces folded to one space, ends stripped."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return " ".join("".join(" " if not c.isprintable() or c.isspace() else c
+                            for c in text).split())
+
+
+def translate_batch_with_ctranslate2(
+    translator, processor, texts: Sequence[str | bytes], *,
+    beam_size: int = DEFAULT_BEAM_SIZE, alpha: float = DEFAULT_ALPHA, num_hypotheses: int = 1,
+    target_prefix: Sequence[str | None] | None = None, sampling_topk: int = 1,
+    sampling_topp: float = 1.0, sampling_temperature: float = 1.0, seed: int = 0,
+    return_alignment: bool = False, max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
+    extra_length: int = DEFAULT_EXTRA_LENGTH, long_inputs: str = "split",
+    max_batch_size: int = 32,
+) -> list[Translation]:
+    """`decoding.translator.translate_batch` with a CTranslate2 `Translator`.
+
+    Args:
+        translator: a `ctranslate2.Translator` on an `export_ctranslate2` directory.
+        processor: a `sentencepiece.SentencePieceProcessor` on its `sentencepiece.model`.
+        Others: as `translate_batch` (token scores: `force_decode_with_ctranslate2`).
+    """
+    import ctranslate2
+
+    if num_hypotheses > beam_size:
+        raise ValueError(f"num_hypotheses={num_hypotheses} needs beam_size >= it.")
+    sampling = sampling_topk != 1
+    if sampling and beam_size != 1:
+        raise ValueError("sampling draws one token a step: use beam_size 1.")
+    lines = [_clean(text) for text in texts]
+    segments, flags = segment_lines(
+        lines, lambda items: [len(processor.encode(item)) for item in items],
+        max_input_tokens, long_inputs)
+    sources = [processor.encode(s.text, out_type=str)[: max_input_tokens - 1]
+               for s in segments]
+    prefixes = None
+    if target_prefix is not None:
+        first = {}
+        for index, segment in enumerate(segments):
+            first.setdefault(segment.line, index)
+        prefixes = [processor.encode(_clean(target_prefix[s.line] or ""), out_type=str)
+                    if first[s.line] == index and target_prefix[s.line] else None
+                    for index, s in enumerate(segments)]
+    if sampling:
+        ctranslate2.set_random_seed(seed)
+    longest = max((len(p) for p in sources), default=0) + 1 + extra_length
+    results = translator.translate_batch(
+        sources, target_prefix=prefixes, beam_size=beam_size,
+        num_hypotheses=beam_size if beam_size > 1 else 1,
+        patience=2 if beam_size > 1 else 1, length_penalty=1e-9 if beam_size > 1 else 0.0,
+        return_scores=True, return_end_token=True, return_attention=return_alignment,
+        max_batch_size=max_batch_size, max_decoding_length=longest, min_decoding_length=0,
+        sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+        sampling_temperature=sampling_temperature) if sources else []
+    decoded: dict[int, list] = {}
+    for number, (segment, source, result) in enumerate(zip(segments, sources, results,
+                                                           strict=True)):
+        limit = len(source) + 1 + extra_length
+        hypotheses = [_hypothesis(processor, tokens, score, alpha, limit, source,
+                                  result.attention[k] if return_alignment else None)
+                      for k, (tokens, score) in enumerate(zip(result.hypotheses,
+                                                              result.scores, strict=True))]
+        hypotheses.sort(key=lambda h: -h.score)
+        decoded.setdefault(segment.line, []).append(
+            (number, hypotheses[:num_hypotheses], source))
+    return [line_translation(decoded.get(line, []), flags[line], alpha, False,
+                             return_alignment) for line in range(len(lines))]
+
+
+def _hypothesis(processor, tokens, score, alpha, limit, source, attention) -> Hypothesis:
+    finished = bool(tokens) and tokens[-1] == EOS
+    pieces = tokens[:-1] if finished else list(tokens)[:limit]
+    length = len(pieces) + int(finished)
+    hypothesis = Hypothesis(text=processor.decode(pieces), score=penalized_score(
+        score, length, alpha), log_prob=float(score), finished=finished, pieces=pieces)
+    if attention is not None:
+        # Rows: the generated tokens' steps; columns: the source pieces and EOS.
+        hypothesis.attention = np.asarray(attention, np.float32)
+        hypothesis.alignment = word_alignment(hypothesis.attention, source, pieces,
+                                              shift=DEFAULT_SHIFT)
+    return hypothesis
+
+
+def force_decode_with_ctranslate2(translator, processor, sources: Sequence[str | bytes],
+                                  targets: Sequence[str | Sequence[str]], *,
+                                  alpha: float = DEFAULT_ALPHA,
+                                  max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
+                                  max_batch_size: int = 32) -> list[Translation]:
+    """`decoding.translator.force_decode` through CTranslate2's `score_batch`: each target
+    (text, or a list of pieces) scored after its source, EOS included."""
+    source_pieces = [processor.encode(_clean(source), out_type=str)[: max_input_tokens - 1]
+                     for source in sources]
+    target_pieces = [processor.encode(_clean(target), out_type=str)
+                     if isinstance(target, (str, bytes)) else list(target)
+                     for target in targets]
+    scored = translator.score_batch(source_pieces, target_pieces,
+                                    max_batch_size=max_batch_size, max_input_length=0)
+    results = []
+    for source, pieces, result in zip(source_pieces, target_pieces, scored, strict=True):
+        log_prob = float(sum(result.log_probs))
+        results.append(Translation([Hypothesis(
+            text=processor.decode(pieces), score=penalized_score(log_prob, len(pieces) + 1,
+                                                                 alpha),
+            log_prob=log_prob, finished=True, pieces=pieces,
+            token_log_probs=[float(value) for value in result.log_probs])], [], source))
+    return results
