@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import run_directory
-from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.decoding.translator import force_decode, translate_batch, translate_texts
 from keras_transformer.errors import EXIT_STORAGE
+from keras_transformer.force_decode import main as force_decode_main
 from keras_transformer.logs import is_native_log_line
 from keras_transformer.serving.translator import ModelError, load_translator
 from keras_transformer.translate import main
@@ -128,3 +130,114 @@ def test_a_full_disk_at_output_exits_4_with_one_line_and_keeps_the_old_file(
         assert "Traceback" not in err
         assert output.read_text(encoding="utf-8") == "earlier translations\n"
         assert not list(disk.glob(".tmp-*"))
+
+
+# --- n-best lists, scores, sampling, prefixes, alignments and long inputs (issue 37) ---
+
+
+def _run_translate(args, capfd) -> tuple[int, list[str], str]:
+    status = main(args)
+    captured = capfd.readouterr()
+    return status, captured.out.splitlines(), captured.err
+
+
+def test_jsonl_holds_what_the_python_api_gives(paths, tmp_path, capfd):
+    run, _ = paths
+    source = tmp_path / "input.txt"
+    source.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    status, out, _ = _run_translate(
+        ["--model", str(run), "--input", str(source), "--format", "jsonl", "--beam", "3",
+         "--n-best", "2", "--token-scores", "--alignment"], capfd)
+    assert status == 0 and len(out) == len(LINES)
+    records = [json.loads(line) for line in out]
+    model, tokenizer = run_directory.load_run(run)
+    expected = translate_batch(model, tokenizer, LINES, beam_size=3, num_hypotheses=2,
+                               return_token_scores=True, return_alignment=True)
+    for number, (record, result) in enumerate(zip(records, expected, strict=True)):
+        assert record == json.loads(json.dumps(result.as_json(number)))
+    assert set(records[0]) >= {"line", "translation", "score", "log_prob", "finished",
+                               "pieces", "token_log_probs", "alignment", "flags",
+                               "source_pieces", "nbest"}
+    assert records[1]["flags"] == ["empty_input"] and records[1]["translation"] == ""
+    assert len(records[0]["nbest"]) == 2
+
+
+def test_moses_nbest_and_alignment_text_formats(paths, tmp_path, capfd):
+    run, _ = paths
+    source = tmp_path / "input.txt"
+    source.write_text("Ein Hund.\nZwei Kinder.\n", encoding="utf-8")
+    status, out, _ = _run_translate(["--model", str(run), "--input", str(source), "--beam", "2",
+                                     "--n-best", "2", "--alignment"], capfd)
+    assert status == 0 and len(out) == 4
+    fields = [line.split(" ||| ") for line in out]
+    assert [f[0] for f in fields] == ["0", "0", "1", "1"]
+    assert all(len(f) == 4 and float(f[2]) <= 0 for f in fields)
+    assert float(fields[0][2]) >= float(fields[1][2])  # best first
+
+
+def test_prefixes_sampling_and_long_inputs_from_the_command_line(paths, tmp_path, capfd):
+    run, base = paths
+    source, prefixes = tmp_path / "input.txt", tmp_path / "prefixes.txt"
+    long_line = "Ein Hund läuft im Park. " * 30
+    source.write_text(f"Ein Hund.\n{long_line}\n", encoding="utf-8")
+    prefixes.write_text("Zwei\n\n", encoding="utf-8")
+    status, out, err = _run_translate(["--model", str(run), "--input", str(source), "--beam", "1",
+                                       "--prefix", str(prefixes), "--max-input-tokens", "32"],
+                                      capfd)
+    assert status == 0 and out[0].startswith("Zwei") and len(out) == 2
+    assert "1 line(s) split" in err and "line 2" in err
+    sampled = [_run_translate(["--model", str(run), "--input", str(source), "--beam", "1",
+                               "--sampling-topk", "0", "--seed", str(seed)], capfd)[1]
+               for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    status, _, err = _run_translate(["--model", str(run), "--input", str(source),
+                                     "--max-input-tokens", "32", "--long-inputs", "error"],
+                                    capfd)
+    assert status == 1 and "input line 2 has" in err
+    status, _, err = _run_translate(["--model", str(base), "--input", str(source),
+                                     "--format", "jsonl"], capfd)
+    assert status == 1 and "need the run directory" in err
+
+
+@pytest.mark.parametrize("flags", [["--n-best", "5", "--beam", "4"],
+                                   ["--sampling-topk", "0", "--beam", "4"],
+                                   ["--sampling-topp", "0.9"], ["--token-scores"]])
+def test_inconsistent_decoding_flags_are_usage_errors(paths, flags, capfd):
+    run, _ = paths
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(run), *flags])
+    assert exit_info.value.code == 2
+    assert "error:" in capfd.readouterr().err
+
+
+def test_force_decode_scores_pairs_as_the_python_api(paths, tmp_path, capfd):
+    run, base = paths
+    source, target = tmp_path / "source.txt", tmp_path / "target.txt"
+    source.write_text("Ein Hund.\nZwei Kinder.\n", encoding="utf-8")
+    target.write_text("A dog.\nTwo children.\n", encoding="utf-8")
+    assert force_decode_main(["--model", str(run), "--source", str(source),
+                              "--target", str(target)]) == 0
+    out = capfd.readouterr().out.splitlines()
+    model, tokenizer = run_directory.load_run(run)
+    expected = force_decode(model, tokenizer, ["Ein Hund.", "Zwei Kinder."],
+                            ["A dog.", "Two children."])
+    assert [tuple(map(float, line.split("\t"))) for line in out] == [
+        pytest.approx((r.hypotheses[0].log_prob, r.hypotheses[0].score), abs=1e-5)
+        for r in expected]
+    pieces = tmp_path / "pieces.txt"
+    pieces.write_text("\n".join(" ".join(r.hypotheses[0].pieces) for r in expected) + "\n",
+                      encoding="utf-8")
+    assert force_decode_main(["--model", str(run), "--source", str(source), "--target",
+                              str(pieces), "--pieces", "--format", "jsonl",
+                              "--alignment"]) == 0
+    records = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+    assert [r["log_prob"] for r in records] == pytest.approx(
+        [r.hypotheses[0].log_prob for r in expected], abs=1e-5)
+    assert all("alignment" in r and "token_log_probs" in r for r in records)
+    target.write_text("A dog.\n", encoding="utf-8")
+    assert force_decode_main(["--model", str(run), "--source", str(source),
+                              "--target", str(target)]) == 1
+    assert "--target 1" in capfd.readouterr().err
+    assert force_decode_main(["--model", str(base), "--source", str(source),
+                              "--target", str(source)]) == 1
+    assert "needs a run directory" in capfd.readouterr().err
