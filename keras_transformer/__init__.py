@@ -108,6 +108,8 @@ _EXPORTS = {
     "export_saved_model": "keras_transformer.serving.saved_model",
     "export_ctranslate2": "keras_transformer.serving.ctranslate2",
     "translate_with_ctranslate2": "keras_transformer.serving.ctranslate2",
+    "translate_batch_with_ctranslate2": "keras_transformer.serving.ctranslate2_translation",
+    "force_decode_with_ctranslate2": "keras_transformer.serving.ctranslate2_translation",
 }
 
 __all__ = sorted(_EXPORTS)
