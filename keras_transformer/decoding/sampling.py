@@ -27,6 +27,8 @@ __all__ = ["Sampling", "choose_tokens", "line_seeds", "line_seeds_numpy", "step_
 # The "lowbias32" integer hash (Chris Wellons' hash-prospector): full avalanche on 32 bits.
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 _GOLDEN = 0x9E3779B9  # separates the counters of consecutive steps and lines
+# Nucleus sampling over the whole vocabulary first looks among this many best tokens.
+NUCLEUS_CANDIDATES = 256
 
 
 @dataclass(frozen=True)
@@ -123,13 +125,32 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling):
 
 
 def _sorted_choice(logits, uniforms, top_k, top_p):
-    """The choice among the best candidates: the top_k best (a full sort for 0), then the
-    nucleus of mass top_p among them."""
+    """The choice among the best candidates: the top_k best, then the nucleus of mass top_p
+    among them. With top_k 0 (the whole vocabulary) the nucleus is looked for among the best
+    `NUCLEUS_CANDIDATES` first, and the vocabulary is sorted only when some row's nucleus
+    is larger (a flat distribution): the same tokens, without a full sort at most steps."""
     vocab = tf.shape(logits)[-1]
-    k = tf.where(top_k > 0, tf.minimum(top_k, vocab), vocab)
-    logits, candidates = tf.math.top_k(logits, k=k)
-    probs = tf.nn.softmax(logits)
-    # Keep a candidate while the mass before it is below top_p (the best one always).
+
+    def among_best(k):
+        values, candidates = tf.math.top_k(logits, k=k)
+        return _nucleus_choice(tf.nn.softmax(values), candidates, uniforms, top_p)
+
+    def whole_vocabulary():
+        values, candidates = tf.math.top_k(logits, k=tf.minimum(NUCLEUS_CANDIDATES, vocab))
+        # The full distribution's probabilities of the best candidates.
+        probs = tf.exp(values - tf.reduce_logsumexp(logits, axis=-1, keepdims=True))
+        fits = tf.reduce_all(tf.reduce_sum(probs, axis=-1) >= top_p)
+        return tf.cond(fits, lambda: _nucleus_choice(probs, candidates, uniforms, top_p),
+                       lambda: among_best(vocab))
+
+    if isinstance(top_k, int):
+        return among_best(tf.minimum(top_k, vocab)) if top_k > 0 else whole_vocabulary()
+    return tf.cond(top_k > 0, lambda: among_best(tf.minimum(top_k, vocab)), whole_vocabulary)
+
+
+def _nucleus_choice(probs, candidates, uniforms, top_p):
+    """A draw among `candidates` (n, k) (best first, probabilities `probs`), keeping each
+    while the mass before it is below top_p (the best one always)."""
     before = tf.cumsum(probs, axis=-1, exclusive=True)
     probs = tf.where(before < top_p, probs, 0.0)
     return tf.gather(candidates, _inverse_transform(probs, uniforms), batch_dims=1)

@@ -301,3 +301,23 @@ def test_alignments_link_every_output_word_once(nbest, lines):
 def test_penalized_score_is_gnmt():
     assert penalized_score(-6.0, 7, 0.6) == pytest.approx(-6.0 / 2.0 ** 0.6)
     assert penalized_score(-6.0, 7, 0.0) == -6.0
+
+
+@pytest.mark.parametrize("sharpness", [0.2, 8.0])  # flat: the nucleus needs > 256 tokens
+def test_nucleus_sampling_is_the_full_sort_whether_or_not_it_sorts(sharpness):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 1000)).astype(np.float32) * sharpness
+    log_probs = tf.nn.log_softmax(logits)
+    uniforms = tf.constant(rng.uniform(size=64), tf.float32)
+    chosen = choose_tokens(log_probs, uniforms, Sampling(top_p=0.9)).numpy()
+    expected = []
+    for row, u in zip(tf.nn.softmax(logits).numpy(), uniforms.numpy(), strict=True):
+        order = np.argsort(-row, kind="stable")
+        probs = row[order]
+        kept = probs * ((np.cumsum(probs) - probs) < 0.9)
+        cumulative = np.cumsum(kept)
+        expected.append(order[min(int((cumulative <= u * cumulative[-1]).sum()), 999)])
+    assert (chosen == np.array(expected)).mean() >= 0.98  # float32 rounding at boundaries
+    nucleus = ((np.cumsum(np.sort(tf.nn.softmax(logits).numpy(), axis=1)[:, ::-1], axis=1)
+                < 0.9).sum(axis=1) + 1)
+    assert (nucleus > 256).all() if sharpness < 1 else (nucleus <= 256).all()
