@@ -28,7 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import BATCH, IDLE_SECONDS, THREADS, Engine  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    BATCH,
+    IDLE_SECONDS,
+    THREADS,
+    Engine,
+    add_run_and_split_flags,
+)
 
 # `run(batch, mode)`: the Engine protocol's "beam" carries the mode: 1 and 4 are `translate`'s
 # beam; the negative codes are `sample` settings.
@@ -73,11 +79,7 @@ def passes(engines: dict, modes: list[str], texts: list[str], runs: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="run directory")
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--split", default="test_2016_flickr")
-    parser.add_argument("--src", required=True)
-    parser.add_argument("--tgt", required=True)
+    add_run_and_split_flags(parser)
     parser.add_argument("--baseline", help="a SavedModel of the earlier code")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
