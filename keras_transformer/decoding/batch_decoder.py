@@ -145,11 +145,11 @@ class BatchDecoder:
             prefix = None if prefixes is None else tf.gather(prefixes, rows).to_tensor()
             ids, log_probs = self._search(source, prefix,
                                           None if seeds is None else seeds[rows])
-            for row, hypotheses in zip(rows, self.hypotheses(source, ids, log_probs),
-                                       strict=True):
+            hypotheses, source_pieces = self.hypotheses(source, ids, log_probs)
+            for row, row_hypotheses, row_pieces in zip(rows, hypotheses, source_pieces,
+                                                       strict=True):
                 segment = segments[row]
-                decoded.setdefault(segment.line, []).append(
-                    (row, hypotheses, self.pieces(sources[row])))
+                decoded.setdefault(segment.line, []).append((row, row_hypotheses, row_pieces))
                 remaining[segment.line] -= 1
                 done += int(remaining[segment.line] == 0)
             if progress is not None:
@@ -200,18 +200,21 @@ class BatchDecoder:
             ids, scores = ids[:, None, :], scores[:, None]
         return ids, _unpenalized(ids, scores, options.alpha)
 
-    def pieces(self, ids) -> list[str]:
-        """The subword pieces of ids (n,), PAD and EOS left out."""
+    def piece_rows(self, ids) -> list[list[str]]:
+        """The subword pieces of each row of ids (n, T), PAD and EOS left out (one lookup)."""
         ids = np.asarray(ids)
-        ids = ids[(ids != PAD_ID) & (ids != EOS_ID)]
         if not ids.size:
-            return []
-        return [piece.decode("utf-8", "replace")
-                for piece in self.tokenizer.id_to_piece(ids).numpy()]
+            return [[] for _ in range(len(ids))]
+        strings = self.tokenizer.id_to_piece(ids).numpy()
+        keep = (ids != PAD_ID) & (ids != EOS_ID)
+        return [[piece.decode("utf-8", "replace") for piece in row[mask]]
+                for row, mask in zip(strings, keep, strict=True)]
 
-    def hypotheses(self, source, ids, log_probs) -> list[list[Hypothesis]]:
-        """Per row of `source` (n, S), its hypotheses from ids (n, k, T), best first.
-        `log_probs` (n, k) from the search; None: computed by forcing (the ids end with EOS)."""
+    def hypotheses(self, source, ids, log_probs) -> tuple[list[list[Hypothesis]],
+                                                          list[list[str]]]:
+        """Per row of `source` (n, S): its hypotheses from ids (n, k, T), best first, and its
+        source pieces. `log_probs` (n, k) from the search; None: computed by forcing (the ids
+        end with EOS)."""
         options = self.options
         count, beams = ids.shape[0], ids.shape[1]
         flat = tf.reshape(ids, [count * beams, -1])
@@ -228,8 +231,8 @@ class BatchDecoder:
             log_probs = tf.reduce_sum(forced.token_log_probs, axis=1)
         log_probs = np.reshape(np.asarray(log_probs), [-1])
         texts = self.tokenizer.detokenize(flat).numpy() if flat.shape[1] else [b""] * len(flat_np)
-        pieces = [self.pieces(row) for row in flat_np]
-        source_pieces = [self.pieces(row) for row in source.numpy()]
+        pieces = self.piece_rows(flat_np)
+        source_pieces = self.piece_rows(source.numpy())
         result = []
         for index in range(count * beams):
             hypothesis = Hypothesis(
@@ -248,7 +251,8 @@ class BatchDecoder:
                 hypothesis.alignment = word_alignment(attention, sources, hypothesis.pieces,
                                                       shift=DEFAULT_SHIFT)
             result.append(hypothesis)
-        return [result[row * beams: (row + 1) * beams] for row in range(count)]
+        return ([result[row * beams: (row + 1) * beams] for row in range(count)],
+                source_pieces)
 
 
 def _unpenalized(ids, scores, alpha):

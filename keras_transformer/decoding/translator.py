@@ -219,11 +219,11 @@ def force_decode(
     for rows in length_batches(lengths, batch_size, batch_tokens):
         source = tf.gather(source_ids, rows).to_tensor()
         ids = tf.gather(target_ids, rows).to_tensor()
-        hypotheses = decoder.hypotheses(source, ids[:, None, :], log_probs=None)
-        for row, hypothesis in zip(rows, hypotheses, strict=True):
+        hypotheses, source_pieces = decoder.hypotheses(source, ids[:, None, :],
+                                                       log_probs=None)
+        for row, hypothesis, pieces in zip(rows, hypotheses, source_pieces, strict=True):
             line = segments[row].line
-            results[line] = Translation(hypothesis, flags[line],
-                                        decoder.pieces(source_ids[row]))
+            results[line] = Translation(hypothesis, flags[line], pieces)
         done += len(rows)
         if progress is not None:
             progress(done)
