@@ -5,9 +5,10 @@
 RUN_DIR is a de->en run directory. Each gold pair (tests/data/alignments/
 multi30k_val_de_en.gold: val line indices and sure/possible links) is forced through the model
 (`kt.force_decode`, the reference as the target), and its word alignment read from every
-decoder layer, with and without the shift (`decoding.alignment`). The layer and shift are
-chosen on the first half of the pairs (by AER) and reported on the second half and on all,
-with the diagonal baseline. Prints one JSON object.
+decoder layer, with and without the shift, with diagonal priors of several tensions
+(`decoding.alignment`). The layer, shift and tension are chosen on the first half of the pairs
+(by AER) and reported on the second half and on all, with the diagonal baseline. Prints one
+JSON object.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from keras_transformer.decoding.alignment import (  # noqa: E402
 from keras_transformer.decoding.translator import force_decode  # noqa: E402
 
 GOLD = REPO / "tests" / "data" / "alignments" / "multi30k_val_de_en.gold"
+TENSIONS = (0.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def read_gold(path: Path = GOLD) -> list[tuple[int, tuple[set, set]]]:
@@ -63,16 +65,18 @@ def main() -> None:
     half = len(gold) // 2
     table = {}
     for layer in range(layers):
-        results = force_decode(model, tokenizer, sources, targets, return_alignment=True,
+        results = force_decode(model, tokenizer, sources, targets, return_attention=True,
                                alignment_layer=layer)
         for shift in (False, True):
-            links = [word_alignment(r.hypotheses[0].attention, r.source_pieces,
-                                    r.hypotheses[0].pieces, shift=shift) for r in results]
-            table[f"layer {layer}, shift {shift}"] = {
-                "dev": alignment_error_rate(links[:half], [g for _, g in gold[:half]]),
-                "test": alignment_error_rate(links[half:], [g for _, g in gold[half:]]),
-                "all": alignment_error_rate(links, [g for _, g in gold]),
-            }
+            for tension in TENSIONS:
+                links = [word_alignment(r.hypotheses[0].attention, r.source_pieces,
+                                        r.hypotheses[0].pieces, shift=shift, tension=tension)
+                         for r in results]
+                table[f"layer {layer - layers}, shift {shift}, tension {tension}"] = {
+                    "dev": alignment_error_rate(links[:half], [g for _, g in gold[:half]]),
+                    "test": alignment_error_rate(links[half:], [g for _, g in gold[half:]]),
+                    "all": alignment_error_rate(links, [g for _, g in gold]),
+                }
     diagonal = [diagonal_alignment(len(s.split()), len(t.split()))
                 for s, t in zip(sources, targets, strict=True)]
     chosen = min(table, key=lambda name: table[name]["dev"])

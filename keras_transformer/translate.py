@@ -8,9 +8,9 @@ Input lines come from `--input FILE` (with a progress bar on stderr) or stdin; o
 input line goes to stdout (or `--output`), in order, decoded in batches.
 
 Output formats (docs/translating.md): `--format text` (default) writes the best translation
-per line; with `--n-best N` (N > 1) the N best in the Moses n-best format
-`LINE ||| TRANSLATION ||| SCORE` (LINE counted from 0); `--alignment` appends
-` ||| i-j ...` (Pharaoh word links, as Marian does). `--format jsonl` writes one JSON object
+per line (`--alignment`: `TRANSLATION ||| i-j ...`, Pharaoh word links); with `--n-best N`
+(N > 1) the N best as Marian writes n-best lists,
+`LINE ||| TRANSLATION [||| ALIGNMENT] ||| F0= LOG_PROB ||| SCORE` (LINE counted from 0). `--format jsonl` writes one JSON object
 per input line: translation, score, log_prob, finished, pieces, flags, source pieces, and the
 n-best list, token log-probs and alignment when asked. Lines that were split, truncated or
 cut at the output limit are flagged (in JSONL) and counted on stderr (text).
@@ -30,6 +30,7 @@ run the same command again.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", help="text file, one sentence per line (default: stdin)")
     parser.add_argument("--output", help="write translations here (default: stdout)")
     parser.add_argument("--format", choices=("text", "jsonl"), default="text",
-                        help="text: translations (n-best: Moses format); jsonl: one JSON "
+                        help="text: translations (n-best: Marian's format); jsonl: one JSON "
                              "object per line with scores and flags (docs/translating.md)")
     search = parser.add_argument_group("search")
     search.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1: greedy)")
@@ -103,8 +104,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(parser, args) -> None:
+    finite = all(math.isfinite(value) for value in (
+        args.alpha, args.sampling_topp, args.sampling_temperature))
+    if not finite:
+        parser.error("--alpha, --sampling-topp and --sampling-temperature must be finite")
     if args.beam < 1 or args.batch_size < 1 or args.batch_tokens < 1 or args.alpha < 0:
         parser.error("--beam, --batch-size and --batch-tokens must be >= 1, --alpha >= 0")
+    if not 0 <= args.seed < 2**32:
+        parser.error("--seed must be in [0, 2**32)")
     if not 1 <= args.n_best <= args.beam:
         parser.error(f"--n-best must be in [1, --beam] (--beam is {args.beam})")
     if args.sampling_topk != 1 and args.beam != 1:
@@ -115,7 +122,8 @@ def _check(parser, args) -> None:
     if args.sampling_topk == 1 and (args.sampling_topp != 1 or args.sampling_temperature != 1):
         parser.error("--sampling-topp and --sampling-temperature need --sampling-topk 0 "
                      "(the whole vocabulary) or K > 1")
-    if args.max_input_tokens < 2 or (args.max_output_tokens or 1) < 1:
+    if args.max_input_tokens < 2 or (args.max_output_tokens is not None
+                                     and args.max_output_tokens < 1):
         parser.error("--max-input-tokens must be >= 2, --max-output-tokens >= 1")
     if args.token_scores and args.format != "jsonl":
         parser.error("--token-scores needs --format jsonl")
@@ -154,8 +162,8 @@ def _translate(argv: Sequence[str] | None) -> int:
         bar = ProgressBar(len(lines), enabled=args.input is not None)
         if translator.saved_model is not None and not _needs_run_directory(args):
             results = None
-            translations = translator.translate(lines, beam_size=args.beam, alpha=args.alpha,
-                                                batch_size=args.batch_size, progress=bar.update)
+            translations, truncated = translator.translate_saved_model(
+                lines, args.beam, args.alpha, args.batch_size, progress=bar.update)
         else:
             results = _translate_batch(translator, lines, prefixes, args, bar)
         bar.close()
@@ -164,6 +172,10 @@ def _translate(argv: Sequence[str] | None) -> int:
         return 1
     if results is None:
         write_lines([single_line(text) for text in translations], args.output)
+        if truncated:
+            _report(len(truncated), "truncated", "longer than the SavedModel's max_input_tokens: "
+                    "only its first tokens were translated; a run directory splits long "
+                    "lines into sentences", [line + 1 for line in truncated])
     else:
         write_lines(_formatted(results, args), args.output)
         if args.format == "text":
@@ -192,7 +204,7 @@ def _translate_batch(translator: Translator, lines, prefixes, args, bar) -> list
 
 
 def _formatted(results: list[Translation], args) -> list[str]:
-    """The output lines: JSONL records, Moses n-best lines, or translations."""
+    """The output lines: JSONL records, n-best lines (Marian's format), or translations."""
     if args.format == "jsonl":
         return jsonl([result.as_json(line) for line, result in enumerate(results)])
     out = []
@@ -200,10 +212,11 @@ def _formatted(results: list[Translation], args) -> list[str]:
         hypotheses = result.hypotheses if args.n_best > 1 else result.hypotheses[:1]
         for hypothesis in hypotheses:
             fields = [single_line(hypothesis.text)]
-            if args.n_best > 1:
-                fields = [str(line), *fields, f"{hypothesis.score:.6f}"]
             if args.alignment:
                 fields.append(format_pharaoh(hypothesis.alignment))
+            if args.n_best > 1:  # Marian's n-best lines: the total score last
+                fields = [str(line), *fields, f"F0= {hypothesis.log_prob:.6f}",
+                          f"{hypothesis.score:.6f}"]
             out.append(" ||| ".join(fields))
     return out
 
@@ -214,9 +227,12 @@ def _report_flags(results: list[Translation]) -> None:
         lines = [number for number, result in enumerate(results, start=1)
                  if flag in result.flags]
         if lines and flag != "empty_input":
-            shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
-            print(f"translate: {len(lines)} line(s) {flag} ({meaning}): line {shown}",
-                  file=sys.stderr)
+            _report(len(lines), flag, meaning, lines)
+
+
+def _report(count: int, flag: str, meaning: str, lines: list[int]) -> None:
+    shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+    print(f"translate: {count} line(s) {flag} ({meaning}): line {shown}", file=sys.stderr)
 
 
 if __name__ == "__main__":

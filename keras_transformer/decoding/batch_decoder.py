@@ -51,6 +51,7 @@ class DecodingOptions:
     extra_length: int = DEFAULT_EXTRA_LENGTH
     return_token_scores: bool = False
     return_alignment: bool = False
+    return_attention: bool = False
     alignment_layer: int = DEFAULT_ALIGNMENT_LAYER
     jit_compile: bool = False
 
@@ -96,23 +97,23 @@ def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
     return tokenizer.tokenize(tf.constant(list(texts), tf.string)).row_lengths().numpy().tolist()
 
 
-def encode_targets(tokenizer, targets) -> tf.RaggedTensor:
-    """Target ids with EOS: texts tokenized, piece lists looked up."""
-    rows = []
-    for target in targets:
-        if isinstance(target, (str, bytes)):
-            text = target.decode("utf-8", "replace") if isinstance(target, bytes) else target
-            ids = _tokenize_text(tokenizer, text)
-        else:
-            ids = tokenizer.piece_to_id(tf.constant(list(target), tf.string)).numpy().tolist() \
-                if len(target) else []
-        rows.append([*ids, EOS_ID])
-    return tf.ragged.constant(rows, dtype=tf.int32, ragged_rank=1)
-
-
-def _tokenize_text(tokenizer, text: str) -> list[int]:
-    cleaned = clean_texts(tf.constant([text.encode("utf-8")]), WHOLE_LINE)
-    return tokenizer.tokenize(cleaned)[0].numpy().tolist()
+def encode_targets(tokenizer, targets, max_tokens: int) -> tuple[tf.RaggedTensor, list[bool]]:
+    """(target ids with EOS, each cut to `max_tokens` tokens with EOS; whether it was cut):
+    texts are tokenized (in one call), piece lists looked up."""
+    texts = [i for i, target in enumerate(targets) if isinstance(target, (str, bytes))]
+    rows: list[list[int]] = [[] for _ in targets]
+    if texts:
+        raw = [targets[i].encode("utf-8") if isinstance(targets[i], str) else targets[i]
+               for i in texts]
+        tokens = tokenizer.tokenize(clean_texts(tf.constant(raw, tf.string), WHOLE_LINE))
+        for i, ids in zip(texts, tokens.to_list(), strict=True):
+            rows[i] = ids
+    for i, target in enumerate(targets):
+        if not isinstance(target, (str, bytes)) and len(target):
+            rows[i] = tokenizer.piece_to_id(tf.constant(list(target), tf.string)).numpy().tolist()
+    cut = [len(ids) + 1 > max_tokens for ids in rows]
+    rows = [[*ids[: max_tokens - 1], EOS_ID] for ids in rows]
+    return tf.ragged.constant(rows, dtype=tf.int32, ragged_rank=1), cut
 
 
 class BatchDecoder:
@@ -247,7 +248,8 @@ class BatchDecoder:
                 sources = source_pieces[index // beams]
                 # Rows: the output's tokens (EOS included); columns: the source's (EOS too).
                 attention = forced.attention[index, :length, : len(sources) + 1].numpy()
-                hypothesis.attention = attention
+                if options.return_attention:  # (T, S) floats a hypothesis: only if asked
+                    hypothesis.attention = attention
                 hypothesis.alignment = word_alignment(attention, sources, hypothesis.pieces,
                                                       shift=DEFAULT_SHIFT)
             result.append(hypothesis)

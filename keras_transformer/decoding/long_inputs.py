@@ -31,8 +31,8 @@ class InputTooLong(ValueError):
         self.line, self.tokens, self.limit = line, tokens, limit
         super().__init__(
             f"input line {line + 1} has {tokens} subword tokens (EOS included), more than "
-            f"max_input_tokens={limit}; raise the limit, or ask for long inputs to be split "
-            f"into sentences (long_inputs='split', --long-inputs split) or truncated.")
+            f"max_input_tokens={limit}; raise the limit, or have long inputs split into "
+            f"sentences or truncated (long_inputs / --long-inputs).")
 
 
 @dataclass

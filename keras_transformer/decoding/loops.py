@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_transformer.decoding.sampling import Sampling, choose_tokens, step_uniforms
+from keras_transformer.decoding.sampling import NEG_INF, Sampling, choose_tokens, step_uniforms
 from keras_transformer.decoding.stepper import (
     JIT_LENGTH_BUCKET,
     Stepper,
@@ -30,9 +30,9 @@ from pipelines.constants import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 __all__ = ["BOS_ID", "EOS_ID", "NEG_INF", "PAD_ID", "UNK_ID", "beam_loop", "greedy_loop",
            "length_penalty"]
-# Finite rather than -inf: dead hypotheses keep getting log-probs added, and -inf arithmetic
-# (-inf - -inf) would produce NaNs that top_k orders arbitrarily.
-NEG_INF = -1e9
+# NEG_INF (`decoding.sampling`): finite rather than -inf: dead hypotheses keep getting
+# log-probs added, and -inf arithmetic (-inf - -inf) would produce NaNs that top_k orders
+# arbitrarily.
 
 
 def length_penalty(length, alpha):

@@ -33,6 +33,8 @@ FLAGS = {
              "joined with spaces",
     "truncated": "longer than max_input_tokens: only its first tokens were translated",
     "length_limit": "the best output reached the output length limit without EOS",
+    "target_truncated": "forced decoding: the given target was longer than max_output_tokens "
+                        "and only its first tokens were scored",
 }
 
 

@@ -26,6 +26,8 @@ __all__ = ["Sampling", "choose_tokens", "line_seeds", "line_seeds_numpy", "step_
 
 # The "lowbias32" integer hash (Chris Wellons' hash-prospector): full avalanche on 32 bits.
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+# The searches' log-prob of a forbidden token (`decoding.loops`).
+NEG_INF = -1e9
 _GOLDEN = 0x9E3779B9  # separates the counters of consecutive steps and lines
 # Nucleus sampling over the whole vocabulary first looks among this many best tokens.
 NUCLEUS_CANDIDATES = 256
@@ -60,8 +62,8 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not self.temperature > 0.0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if not 0.0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be > 0 and finite, got {self.temperature}.")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}.")
 
@@ -113,7 +115,11 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling):
         sampling: the options: Python values (the branches are chosen while tracing), or
             scalar tensors (a SavedModel's inputs: the branches are chosen at run time).
     """
-    logits = log_probs / tf.cast(sampling.temperature, tf.float32)
+    # Scaled from the best token down, so that no temperature overflows or underflows the
+    # best one; forbidden tokens (-1e9 biases) stay forbidden at any temperature.
+    best = tf.reduce_max(log_probs, axis=-1, keepdims=True)
+    scaled = (log_probs - best) / tf.cast(sampling.temperature, tf.float32)
+    logits = tf.where(log_probs > NEG_INF / 2, scaled, float("-inf"))
     if sampling.static:
         if sampling.top_k > 0 or sampling.top_p < 1.0:
             return _sorted_choice(logits, uniforms, sampling.top_k, sampling.top_p)
@@ -162,4 +168,6 @@ def _inverse_transform(probs, uniforms):
     cumulative = tf.cumsum(probs, axis=-1)
     threshold = uniforms[:, None] * cumulative[:, -1:]
     position = tf.reduce_sum(tf.cast(cumulative <= threshold, tf.int32), axis=-1)
-    return tf.minimum(position, tf.shape(probs)[-1] - 1)
+    position = tf.minimum(position, tf.shape(probs)[-1] - 1)
+    # No mass at all (no finite probability): the best candidate, never the last.
+    return tf.where(cumulative[:, -1] > 0, position, 0)

@@ -18,6 +18,7 @@ PAD and BOS are never generated.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
@@ -182,7 +183,9 @@ def greedy_search(
                                jit_compile=jit_compile, sampling=sampling, **named)
         return tf.function(search, input_signature=signature, autograph=False)
 
-    key = ("greedy", use_cache, jit_compile, "prefix" in extras, sampling)
+    # The seed reaches the search as `seeds` (a tensor): one trace serves every seed.
+    traced = None if sampling is None or not sampling.static else replace(sampling, seed=0)
+    key = ("greedy", use_cache, jit_compile, "prefix" in extras, traced)
     search = compiled_per_model(model, key, build)
     return search(source_ids, *options.values(), *extras.values())
 

@@ -74,6 +74,7 @@ def translate_batch(
     target_prefix: Sequence[str | None] | None = None,
     return_token_scores: bool = False,
     return_alignment: bool = False,
+    return_attention: bool = False,
     alignment_layer: int = DEFAULT_ALIGNMENT_LAYER,
     max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
     max_output_tokens: int | None = None,
@@ -102,7 +103,9 @@ def translate_batch(
         target_prefix: per line, text its output must start with (None or "" for none);
             forced during decoding, its tokens' log-probs count in the score.
         return_token_scores: fill `token_log_probs`.
-        return_alignment: fill `alignment` (word links) and `attention`.
+        return_alignment: fill `alignment` (word links).
+        return_attention: also keep the attention behind it (`Hypothesis.attention`, one
+            (T, S) matrix a hypothesis; not for split lines).
         alignment_layer: the decoder layer alignments are read from.
         max_input_tokens: the most subword tokens (EOS included) decoded at once; longer
             lines are handled as `long_inputs` says.
@@ -126,9 +129,11 @@ def translate_batch(
     options = DecodingOptions(
         beam_size=beam_size, alpha=alpha, num_hypotheses=num_hypotheses,
         sampling=_sampling(sampling_topk, sampling_topp, sampling_temperature, seed),
-        max_output_tokens=max_output_tokens or max_input_tokens + extra_length,
+        max_output_tokens=(max_input_tokens + extra_length if max_output_tokens is None
+                           else max_output_tokens),
         extra_length=extra_length, return_token_scores=return_token_scores,
-        return_alignment=return_alignment, alignment_layer=alignment_layer,
+        return_alignment=return_alignment or return_attention,
+        return_attention=return_attention, alignment_layer=alignment_layer,
         jit_compile=jit_compile)
     if batch_size < 1 or batch_tokens < 1 or max_input_tokens < 2:
         raise ValueError("batch_size and batch_tokens must be >= 1, max_input_tokens >= 2.")
@@ -175,8 +180,10 @@ def force_decode(
     *,
     alpha: float = DEFAULT_ALPHA,
     return_alignment: bool = False,
+    return_attention: bool = False,
     alignment_layer: int = DEFAULT_ALIGNMENT_LAYER,
     max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
+    max_output_tokens: int = DEFAULT_MAX_INPUT_TOKENS + DEFAULT_EXTRA_LENGTH,
     long_inputs: str = "error",
     batch_size: int = DEFAULT_BATCH_SIZE,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
@@ -190,6 +197,8 @@ def force_decode(
         targets: N translations: text (tokenized as in training), or lists of subword
             pieces (a search's `pieces`, for the exact tokens it produced).
         long_inputs: "error" or "truncate" (a source cannot be split against one target).
+        max_output_tokens: target tokens scored at most (EOS included): a longer target is
+            cut (its first tokens, then EOS) and flagged "target_truncated".
         Others as in `translate_batch`.
 
     Returns:
@@ -199,8 +208,11 @@ def force_decode(
         raise ValueError(f"{len(sources)} sources but {len(targets)} targets.")
     if long_inputs not in ("error", "truncate"):
         raise ValueError("force_decode takes long_inputs 'error' or 'truncate'.")
+    if max_output_tokens < 1:
+        raise ValueError(f"max_output_tokens must be >= 1, got {max_output_tokens}.")
     options = DecodingOptions(alpha=alpha, return_token_scores=True,
-                              return_alignment=return_alignment,
+                              return_alignment=return_alignment or return_attention,
+                              return_attention=return_attention,
                               alignment_layer=alignment_layer)
     lines = clean_lines(sources)
     segments, flags = segment_lines(lines, lambda items: count_tokens(tokenizer, items),
@@ -212,7 +224,11 @@ def force_decode(
     decoder = BatchDecoder(model, tokenizer, options, None, list(range(len(lines))))
     source_ids = encode_texts(tokenizer, tf.constant([s.text for s in segments], tf.string),
                               max_input_tokens)
-    target_ids = encode_targets(tokenizer, [targets[s.line] for s in segments])
+    target_ids, cut = encode_targets(tokenizer, [targets[s.line] for s in segments],
+                                     max_output_tokens)
+    for segment, target_cut in zip(segments, cut, strict=True):
+        if target_cut:
+            flags[segment.line].append("target_truncated")
     results = [None] * len(lines)
     lengths = np.maximum(source_ids.row_lengths().numpy(), target_ids.row_lengths().numpy())
     done = 0

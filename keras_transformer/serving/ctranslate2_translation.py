@@ -19,6 +19,7 @@ samples do; its scores are still the model's log-probabilities.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,13 +44,16 @@ __all__ = ["force_decode_with_ctranslate2", "translate_batch_with_ctranslate2"]
 EOS = "</s>"
 
 
+_FOLDED = {"Cc", "Zs", "Zl", "Zp"}  # `clean_texts`' [\p{Cc}\p{Z}]
+
+
 def _clean(text: str | bytes) -> str:
     """What our cleaning does (`search.clean_texts`), in Python: invalid UTF-8 replaced,
-    control characters and Unicode spaces folded to one space, ends stripped."""
+    each run of control characters and Unicode spaces folded to one space, ends stripped."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
-    return " ".join("".join(" " if not c.isprintable() or c.isspace() else c
-                            for c in text).split())
+    folded = "".join(" " if unicodedata.category(c) in _FOLDED else c for c in text)
+    return " ".join(part for part in folded.split(" ") if part)
 
 
 def translate_batch_with_ctranslate2(
@@ -101,13 +105,16 @@ def translate_batch_with_ctranslate2(
         sampling_topk=sampling_topk, sampling_topp=sampling_topp,
         sampling_temperature=sampling_temperature) if sources else []
     decoded: dict[int, list] = {}
-    for number, (segment, source, result) in enumerate(zip(segments, sources, results,
-                                                           strict=True)):
+    per_segment = []
+    for source, result in zip(sources, results, strict=True):
         limit = len(source) + 1 + extra_length
-        hypotheses = [_hypothesis(processor, tokens, score, alpha, limit, source,
-                                  result.attention[k] if return_alignment else None)
-                      for k, (tokens, score) in enumerate(zip(result.hypotheses,
-                                                              result.scores, strict=True))]
+        per_segment.append([_hypothesis(processor, tokens, score, alpha, limit, source,
+                                        result.attention[k] if return_alignment else None)
+                            for k, (tokens, score) in enumerate(zip(
+                                result.hypotheses, result.scores, strict=True))])
+    _rescore_cut(translator, per_segment, sources, alpha)
+    for number, (segment, source, hypotheses) in enumerate(zip(segments, sources, per_segment,
+                                                               strict=True)):
         hypotheses.sort(key=lambda h: -h.score)
         decoded.setdefault(segment.line, []).append(
             (number, hypotheses[:num_hypotheses], source))
@@ -116,8 +123,13 @@ def translate_batch_with_ctranslate2(
 
 
 def _hypothesis(processor, tokens, score, alpha, limit, source, attention) -> Hypothesis:
-    finished = bool(tokens) and tokens[-1] == EOS
-    pieces = tokens[:-1] if finished else list(tokens)[:limit]
+    """A CTranslate2 hypothesis as ours. CTranslate2's length limit is the batch's longest
+    line's; one past this line's own limit is cut there, unfinished (its score is then
+    recomputed by `_rescore_cut`, marked by a NaN log_prob)."""
+    finished = bool(tokens) and tokens[-1] == EOS and len(tokens) <= limit
+    pieces = list(tokens[:-1]) if finished else [t for t in tokens if t != EOS][:limit]
+    if not finished and len(tokens) > limit:
+        score = float("nan")
     length = len(pieces) + int(finished)
     hypothesis = Hypothesis(text=processor.decode(pieces), score=penalized_score(
         score, length, alpha), log_prob=float(score), finished=finished, pieces=pieces)
@@ -129,26 +141,46 @@ def _hypothesis(processor, tokens, score, alpha, limit, source, attention) -> Hy
     return hypothesis
 
 
+def _rescore_cut(translator, per_segment, sources, alpha) -> None:
+    """The log-prob of the hypotheses cut at their line's limit: their pieces' log-probs
+    from `score_batch`, without the EOS it appends."""
+    cut = [(hypothesis, source) for hypotheses, source in zip(per_segment, sources, strict=True)
+           for hypothesis in hypotheses if hypothesis.log_prob != hypothesis.log_prob]
+    if not cut:
+        return
+    scored = translator.score_batch([source for _, source in cut],
+                                    [hypothesis.pieces for hypothesis, _ in cut],
+                                    max_input_length=0)
+    for (hypothesis, _), result in zip(cut, scored, strict=True):
+        hypothesis.log_prob = float(sum(result.log_probs[:-1]))
+        hypothesis.score = penalized_score(hypothesis.log_prob, len(hypothesis.pieces), alpha)
+
+
 def force_decode_with_ctranslate2(translator, processor, sources: Sequence[str | bytes],
                                   targets: Sequence[str | Sequence[str]], *,
                                   alpha: float = DEFAULT_ALPHA,
                                   max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
                                   max_batch_size: int = 32) -> list[Translation]:
     """`decoding.translator.force_decode` through CTranslate2's `score_batch`: each target
-    (text, or a list of pieces) scored after its source, EOS included."""
-    source_pieces = [processor.encode(_clean(source), out_type=str)[: max_input_tokens - 1]
-                     for source in sources]
+    (text, or a list of pieces) scored after its source, EOS included; a source over
+    `max_input_tokens` is truncated and flagged "truncated"."""
+    source_pieces = [processor.encode(_clean(source), out_type=str) for source in sources]
+    flags = [["truncated"] if len(pieces) >= max_input_tokens else []
+             for pieces in source_pieces]
+    source_pieces = [pieces[: max_input_tokens - 1] for pieces in source_pieces]
     target_pieces = [processor.encode(_clean(target), out_type=str)
                      if isinstance(target, (str, bytes)) else list(target)
                      for target in targets]
     scored = translator.score_batch(source_pieces, target_pieces,
                                     max_batch_size=max_batch_size, max_input_length=0)
     results = []
-    for source, pieces, result in zip(source_pieces, target_pieces, scored, strict=True):
+    for source, pieces, result, line_flags in zip(source_pieces, target_pieces, scored, flags,
+                                                  strict=True):
         log_prob = float(sum(result.log_probs))
         results.append(Translation([Hypothesis(
             text=processor.decode(pieces), score=penalized_score(log_prob, len(pieces) + 1,
                                                                  alpha),
             log_prob=log_prob, finished=True, pieces=pieces,
-            token_log_probs=[float(value) for value in result.log_probs])], [], source))
+            token_log_probs=[float(value) for value in result.log_probs])], line_flags,
+            source))
     return results

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_transformer.decoding.alignment import DEFAULT_SHIFT
+from keras_transformer.decoding.alignment import DEFAULT_SHIFT, DEFAULT_TENSION
 from keras_transformer.decoding.forced import forced_pass
 from keras_transformer.decoding.loops import length_penalty
 from keras_transformer.decoding.sampling import Sampling, line_seeds
@@ -107,7 +107,8 @@ class DetailedSignatures:
         """A random translation per text, drawn with the line's seed."""
         _, alpha = clip_beam_and_alpha(tf.constant(1), alpha)
         sampling = Sampling(
-            top_k=tf.maximum(top_k, 0), top_p=tf.clip_by_value(top_p, 1e-6, 1.0),
+            top_k=tf.maximum(top_k, 0),
+            top_p=tf.where(tf.math.is_finite(top_p), tf.clip_by_value(top_p, 1e-6, 1.0), 1.0),
             temperature=tf.where(tf.math.is_finite(temperature) & (temperature > 0),
                                  temperature, 1.0), seed=seed)
         seeds = line_seeds(seed, line_indices)
@@ -165,10 +166,10 @@ class DetailedSignatures:
         """bool (N,): the text has more than max_input_tokens tokens (EOS included) or more
         characters than the cleaning keeps."""
         limit = CHARS_PER_TOKEN * self.max_input_tokens
-        cleaned = clean_texts(texts, limit + 1)
-        too_many_chars = tf.strings.length(cleaned, unit="UTF8_CHAR") > limit
-        tokens = self.tokenizer.tokenize(clean_texts(texts, limit)).row_lengths() + 1
-        return too_many_chars | (tokens > self.max_input_tokens)
+        kept = clean_texts(texts, limit)  # what `encode_texts` tokenizes
+        lost_chars = kept != clean_texts(texts, 2**31 - 1)
+        tokens = self.tokenizer.tokenize(kept).row_lengths() + 1
+        return lost_chars | (tokens > self.max_input_tokens)
 
     def _decode(self, inputs, search, width, alpha, details=False, forced=False,
                 max_length=None, blank_empty=True):
@@ -195,7 +196,7 @@ class DetailedSignatures:
                     model, tf.repeat(source, hypotheses, axis=0), flat, layer)
                 alignments = word_alignments(self.tokenizer, attention,
                                              tf.repeat(source, hypotheses, axis=0), flat,
-                                             DEFAULT_SHIFT)
+                                             DEFAULT_SHIFT, DEFAULT_TENSION)
                 if forced:
                     log_probs = tf.reshape(tf.reduce_sum(token_log_probs, axis=1),
                                            [count, hypotheses])
@@ -215,7 +216,7 @@ class DetailedSignatures:
         values = map_chunks(order, self.chunk_size, compute, trailing, dtypes)
         outputs, *rest = values
         log_probs, lengths, finished = rest[-3:]
-        blank = tf.equal(clean_texts(texts, 1), "") & blank_empty
+        blank = tf.equal(sources.row_lengths(), 1) & blank_empty  # nothing but EOS
         wide = blank[:, None]
         results = {
             "outputs": tf.where(wide, tf.constant(""), outputs),

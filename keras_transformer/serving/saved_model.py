@@ -58,7 +58,6 @@ from keras_transformer.decoding.search import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
     beam_search,
-    clean_texts,
     encode_texts,
     greedy_search,
     length_penalty,
@@ -180,7 +179,7 @@ class TranslationModule(DetailedSignatures, tf.Module):
                          lambda: tf.gather(scores.concat(), inverse))
         # An empty line (nothing left after cleaning) translates to an empty string, score 0,
         # as in the Python API: no sentence is made up from EOS alone.
-        blank = tf.equal(clean_texts(texts, 1), "")[:, None]
+        blank = tf.equal(sources.row_lengths(), 1)[:, None]  # nothing but EOS
         outputs = tf.where(blank, tf.constant(""), outputs)
         scores = tf.where(blank, 0.0, scores)
         if nbest:

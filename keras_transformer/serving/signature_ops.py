@@ -74,12 +74,15 @@ def _word_ids(tokenizer, ids):
     with "▁" starts a word; PAD and EOS are not pieces of a word."""
     real = (ids != PAD_ID) & (ids != EOS_ID)
     starts = tf.strings.regex_full_match(tokenizer.id_to_piece(ids), f"{WORD_START}.*")
-    starts = starts & real
+    # The first piece starts a word, with or without the marker (as `piece_words`).
+    first = tf.range(tf.shape(ids)[1])[None, :] == 0
+    starts = (starts | first) & real
     words = tf.maximum(tf.cumsum(tf.cast(starts, tf.int32), axis=1) - 1, 0)
     return words, real
 
 
-def word_alignments(tokenizer, attention, source_ids, target_ids, shift: bool):
+def word_alignments(tokenizer, attention, source_ids, target_ids, shift: bool,
+                    tension: float):
     """Pharaoh strings (n,) ("0-0 1-2 ..."), as `decoding.alignment.word_alignment` gives.
 
     Args:
@@ -89,11 +92,14 @@ def word_alignments(tokenizer, attention, source_ids, target_ids, shift: bool):
         source_ids: int32 (n, S), each row ending with EOS, 0-padded.
         target_ids: int32 (n, T): the output tokens (EOS included when finished), 0-padded.
         shift: read target token t's attention from row t + 1.
+        tension: the diagonal prior's weight (`decoding.alignment.diagonal_prior`).
     """
     length = tf.shape(target_ids)[1]
     if shift:
-        rows = tf.minimum(tf.range(length) + 1, length - 1)
-        attention = tf.gather(attention, rows, axis=1)
+        # Each row's own last token (EOS or the last piece), as the Python side slices it.
+        last = tf.maximum(tf.reduce_sum(tf.cast(target_ids != PAD_ID, tf.int32), axis=1) - 1, 0)
+        rows = tf.minimum(tf.range(length)[None, :] + 1, last[:, None])
+        attention = tf.gather(attention, rows, batch_dims=1)
     source_words, source_real = _word_ids(tokenizer, source_ids)
     target_words, target_real = _word_ids(tokenizer, target_ids)
     # Sum over a source word's pieces, mean over a target word's pieces: one-hot matmuls.
@@ -103,12 +109,21 @@ def word_alignments(tokenizer, attention, source_ids, target_ids, shift: bool):
         target_real, tf.float32)[:, :, None]
     by_source = tf.matmul(attention, source_one_hot)  # (n, T, source words)
     by_word = tf.matmul(target_one_hot, by_source, transpose_a=True)  # (n, target words, .)
-    # Only real source words compete (the rest of the one-hot width is empty).
     source_word_count = tf.reduce_max(tf.where(source_real, source_words + 1, 0), axis=1)
+    target_word_count = tf.reduce_max(tf.where(target_real, target_words + 1, 0), axis=1)
+    # fast_align's diagonal prior over each row's own word counts.
+    source_position = (tf.cast(tf.range(tf.shape(source_ids)[1]), tf.float32)[None, :] + 0.5) \
+        / tf.cast(tf.maximum(source_word_count, 1), tf.float32)[:, None]
+    target_position = (tf.cast(tf.range(length), tf.float32)[None, :] + 0.5) \
+        / tf.cast(tf.maximum(target_word_count, 1), tf.float32)[:, None]
+    by_word *= tf.exp(-tension * tf.abs(source_position[:, None, :]
+                                        - target_position[:, :, None]))
+    # Only real source words compete (the rest of the one-hot width is empty).
     valid_source = tf.range(tf.shape(source_ids)[1])[None, :] < source_word_count[:, None]
     by_word = tf.where(valid_source[:, None, :], by_word, -1.0)
     links = tf.argmax(by_word, axis=-1, output_type=tf.int32)  # (n, target words)
-    target_word_count = tf.reduce_max(tf.where(target_real, target_words + 1, 0), axis=1)
+    # No source word (an empty source): no links, as on the Python side.
+    target_word_count = tf.where(source_word_count > 0, target_word_count, 0)
     pairs = tf.strings.as_string(links) + "-" + tf.strings.as_string(
         tf.broadcast_to(tf.range(length)[None, :], tf.shape(links)))
     kept = tf.ragged.boolean_mask(

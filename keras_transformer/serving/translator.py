@@ -50,7 +50,7 @@ class Translator:
         if self.saved_model is None:
             return translate_texts(self.model, self.tokenizer, texts, beam_size=beam_size,
                                    alpha=alpha, batch_size=batch_size, progress=progress)
-        return self._translate_saved_model(texts, beam_size, alpha, batch_size, progress)
+        return self.translate_saved_model(texts, beam_size, alpha, batch_size, progress)[0]
 
     def translate_batch(self, texts: Sequence[str | bytes], **options) -> list[Translation]:
         """`decoding.translator.translate_batch` with this run's model and tokenizer: n-best
@@ -67,21 +67,35 @@ class Translator:
                 "prefixes and alignments need the run directory.")
         return translate_batch(self.model, self.tokenizer, texts, **options)
 
-    def _translate_saved_model(self, texts, beam_size, alpha, batch_size, progress):
-        signature = self.saved_model.signatures["translate"]
+    def translate_saved_model(self, texts: Sequence[str | bytes], beam_size: int,
+                              alpha: float, batch_size: int = 64,
+                              progress: Progress | None = None) -> tuple[list[str], list[int]]:
+        """(N translations, the indices of the lines the SavedModel truncated) from a
+        SavedModel. Truncation is reported by the `translate_prefix` signature (empty
+        prefixes: the same search as `translate`); an export without it (older than the
+        signature) reports none."""
+        signatures = self.saved_model.signatures
+        flagged = "translate_prefix" in signatures
+        signature = signatures["translate_prefix" if flagged else "translate"]
         # Similar lengths per request: the server pads each request to its longest line.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-        results = [""] * len(texts)
+        results, truncated = [""] * len(texts), []
         for start in range(0, len(order), batch_size):
             rows = order[start: start + batch_size]
-            outputs = signature(inputs=tf.constant([texts[i] for i in rows], tf.string),
-                                beam_size=tf.constant(beam_size, tf.int32),
-                                alpha=tf.constant(alpha, tf.float32))["outputs"]
-            for row, text in zip(rows, outputs.numpy(), strict=True):
+            inputs = {"inputs": tf.constant([texts[i] for i in rows], tf.string),
+                      "beam_size": tf.constant(beam_size, tf.int32),
+                      "alpha": tf.constant(alpha, tf.float32)}
+            if flagged:
+                inputs["prefixes"] = tf.constant([""] * len(rows))
+            outputs = signature(**inputs)
+            for row, text in zip(rows, outputs["outputs"].numpy(), strict=True):
                 results[row] = text.decode("utf-8", errors="replace")
+            if flagged:
+                truncated += [row for row, cut in zip(rows, outputs["truncated"].numpy(),
+                                                      strict=True) if cut]
             if progress is not None:
                 progress(start + len(rows))
-        return results
+        return results, sorted(truncated)
 
 
 def _saved_model_dir(path: Path) -> Path | None:

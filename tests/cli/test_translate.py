@@ -171,8 +171,9 @@ def test_moses_nbest_and_alignment_text_formats(paths, tmp_path, capfd):
     assert status == 0 and len(out) == 4
     fields = [line.split(" ||| ") for line in out]
     assert [f[0] for f in fields] == ["0", "0", "1", "1"]
-    assert all(len(f) == 4 and float(f[2]) <= 0 for f in fields)
-    assert float(fields[0][2]) >= float(fields[1][2])  # best first
+    # LINE ||| TRANSLATION ||| ALIGNMENT ||| F0= LOG_PROB ||| SCORE, as Marian writes them
+    assert all(len(f) == 5 and f[3].startswith("F0= ") and float(f[4]) <= 0 for f in fields)
+    assert float(fields[0][4]) >= float(fields[1][4])  # best first
 
 
 def test_prefixes_sampling_and_long_inputs_from_the_command_line(paths, tmp_path, capfd):
@@ -197,11 +198,18 @@ def test_prefixes_sampling_and_long_inputs_from_the_command_line(paths, tmp_path
     status, _, err = _run_translate(["--model", str(base), "--input", str(source),
                                      "--format", "jsonl"], capfd)
     assert status == 1 and "need the run directory" in err
+    status, out, err = _run_translate(["--model", str(base), "--input", str(source)], capfd)
+    assert status == 0 and len(out) == 2
+    assert "1 line(s) truncated" in err and "line 2" in err  # the SavedModel's own limit
 
 
 @pytest.mark.parametrize("flags", [["--n-best", "5", "--beam", "4"],
                                    ["--sampling-topk", "0", "--beam", "4"],
-                                   ["--sampling-topp", "0.9"], ["--token-scores"]])
+                                   ["--sampling-topp", "0.9"], ["--token-scores"],
+                                   ["--seed", "-1"], ["--alpha", "nan"],
+                                   ["--sampling-topk", "0", "--beam", "1",
+                                    "--sampling-temperature", "inf"],
+                                   ["--max-output-tokens", "0"]])
 def test_inconsistent_decoding_flags_are_usage_errors(paths, flags, capfd):
     run, _ = paths
     with pytest.raises(SystemExit) as exit_info:

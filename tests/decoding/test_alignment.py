@@ -9,6 +9,7 @@ from benchmarks.alignment_error_rate import read_gold, read_split
 from keras_transformer.decoding.alignment import (
     alignment_error_rate,
     diagonal_alignment,
+    diagonal_prior,
     format_pharaoh,
     parse_pharaoh,
     piece_words,
@@ -31,10 +32,20 @@ def test_each_target_word_links_to_the_source_word_its_pieces_attend_to_most():
         [0.0, 0.0, 0.0, 0.9, 0.1],
     ])
     # dogs: mean over its pieces of the per-word sums: Hunde (0.6 + 0.4) / 2 > läuft 0.3.
-    assert word_alignment(attention, source, target, shift=False) == [(1, 0), (2, 1)]
+    assert word_alignment(attention, source, target, shift=False, tension=0) == [(1, 0), (2, 1)]
     # Shifted: piece t reads row t + 1; "run" reads the EOS row.
-    assert word_alignment(attention, source, target, shift=True) == [(2, 0), (2, 1)]
+    assert word_alignment(attention, source, target, shift=True, tension=0) == [(2, 0), (2, 1)]
     assert word_alignment(attention, [], target) == []
+    # The diagonal prior: "dogs" (first of 2 words) now prefers "Ein" (first of 3) over
+    # "läuft" (last): 0.15 x exp(-8 x 1/12) > 0.45 x exp(-8 x 7/12).
+    assert word_alignment(attention, source, target, shift=True, tension=8) == [(0, 0), (2, 1)]
+
+
+def test_the_diagonal_prior_is_fast_aligns():
+    prior = diagonal_prior(3, 2, 4.0)
+    assert prior.shape == (2, 3)
+    assert prior[0, 0] == pytest.approx(np.exp(-4.0 * abs(0.5 / 3 - 0.25)))
+    np.testing.assert_array_equal(diagonal_prior(3, 2, 0.0), np.ones((2, 3)))
 
 
 def test_pharaoh_round_trip_and_the_alignment_error_rate():

@@ -61,7 +61,7 @@ def lines():
 @pytest.fixture(scope="module")
 def nbest(model, tokenizer, lines):
     return translate_batch(model, tokenizer, lines, beam_size=4, num_hypotheses=4, alpha=ALPHA,
-                           return_token_scores=True, return_alignment=True, max_output_tokens=20)
+                           return_token_scores=True, return_attention=True, max_output_tokens=20)
 
 
 def test_scores_have_their_documented_meaning(nbest):
@@ -321,3 +321,22 @@ def test_nucleus_sampling_is_the_full_sort_whether_or_not_it_sorts(sharpness):
     nucleus = ((np.cumsum(np.sort(tf.nn.softmax(logits).numpy(), axis=1)[:, ::-1], axis=1)
                 < 0.9).sum(axis=1) + 1)
     assert (nucleus > 256).all() if sharpness < 1 else (nucleus <= 256).all()
+
+
+def test_extreme_temperatures_never_sample_forbidden_tokens(model, tokenizer, lines):
+    from keras_transformer.decoding.search import encode_texts
+    from pipelines.constants import BOS_ID, PAD_ID
+    source = encode_texts(tokenizer, tf.constant(lines[:8])).to_tensor()
+    seeds = line_seeds(2, tf.range(8))
+    greedy, _ = greedy_search(model, source, max_length=20)
+    cold, _ = greedy_search(model, source, max_length=20, seeds=seeds,
+                            sampling=Sampling(temperature=1e-30))
+    np.testing.assert_array_equal(cold.numpy(), greedy.numpy())  # all mass on the best
+    hot, scores = greedy_search(model, source, max_length=20, seeds=seeds,
+                                sampling=Sampling(temperature=1e30))
+    for row in hot.numpy():
+        length = int((row != PAD_ID).sum())
+        assert (row[:length] != PAD_ID).all() and (row != BOS_ID).all()
+    assert np.isfinite(scores.numpy()).all() and (scores.numpy() > -1e6).all()
+    with pytest.raises(ValueError, match="finite"):
+        Sampling(temperature=float("inf"))

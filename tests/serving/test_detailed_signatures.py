@@ -26,7 +26,8 @@ from tests.serving.test_saved_model import (
     shared_artifacts,
 )
 
-SENTENCES = ["Ein Hund läuft im Park.", "Zwei Kinder.", "", "Eine Frau sitzt auf einem Ball."]
+# A line starting with a space is not empty; an empty source still scores a target.
+SENTENCES = ["Ein Hund läuft im Park.", " Zwei Kinder.", "", "Eine Frau sitzt auf einem Ball."]
 LIMITS = {"max_input_tokens": MAX_INPUT_TOKENS, "extra_length": MAX_EXTRA}
 
 
@@ -90,7 +91,7 @@ def test_details_are_the_python_apis_nbest(served):
 
 def test_score_is_forced_decoding(served):
     model, tokenizer, loaded, _ = served
-    targets = ["A dog runs in the park.", "Two children.", "", "A woman sits on a ball."]
+    targets = ["A dog runs in the park.", "Two children.", "A dog.", "A woman sits on a ball."]
     scored = _call(loaded, "score", SENTENCES, targets=targets)
     expected = force_decode(model, tokenizer, SENTENCES, targets, return_alignment=True,
                             max_input_tokens=MAX_INPUT_TOKENS)
@@ -114,6 +115,9 @@ def test_samples_and_prefixes_are_the_python_apis(served):
     assert _strings(sampled["outputs"]) == [r.text for r in expected]
     np.testing.assert_allclose(sampled["log_probs"], [r.hypotheses[0].log_prob
                                                       for r in expected], atol=1e-4)
+    # A NaN top_p means no nucleus limit (1.0), never a degenerate choice.
+    nan_top_p = _call(loaded, "sample", SENTENCES, top_k=5, seed=9, top_p=float("nan"))
+    assert _strings(nan_top_p["outputs"]) == _strings(sampled["outputs"])
     greedy = _call(loaded, "sample", SENTENCES, top_k=1)
     assert _strings(greedy["outputs"]) == [r.text for r in translate_batch(
         model, tokenizer, SENTENCES, beam_size=1, **LIMITS)]
