@@ -74,7 +74,7 @@ def main() -> None:
                          for r in results]
                 table[f"layer {layer - layers}, shift {shift}, tension {tension}"] = {
                     "dev": alignment_error_rate(links[:half], [g for _, g in gold[:half]]),
-                    "test": alignment_error_rate(links[half:], [g for _, g in gold[half:]]),
+                    "held_out": alignment_error_rate(links[half:], [g for _, g in gold[half:]]),
                     "all": alignment_error_rate(links, [g for _, g in gold]),
                 }
     diagonal = [diagonal_alignment(len(s.split()), len(t.split()))
@@ -84,7 +84,7 @@ def main() -> None:
         "run": args.run, "pairs": len(gold), "dev_pairs": half,
         "chosen_on_dev": chosen, "chosen": table[chosen],
         "diagonal": {"dev": alignment_error_rate(diagonal[:half], [g for _, g in gold[:half]]),
-                     "test": alignment_error_rate(diagonal[half:], [g for _, g in gold[half:]]),
+                     "held_out": alignment_error_rate(diagonal[half:], [g for _, g in gold[half:]]),
                      "all": alignment_error_rate(diagonal, [g for _, g in gold])},
         "by_layer": table,
     }, indent=1))

@@ -115,19 +115,29 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling):
         sampling: the options: Python values (the branches are chosen while tracing), or
             scalar tensors (a SavedModel's inputs: the branches are chosen at run time).
     """
-    # Scaled from the best token down, so that no temperature overflows or underflows the
-    # best one; forbidden tokens (-1e9 biases) stay forbidden at any temperature.
-    best = tf.reduce_max(log_probs, axis=-1, keepdims=True)
-    scaled = (log_probs - best) / tf.cast(sampling.temperature, tf.float32)
-    logits = tf.where(log_probs > NEG_INF / 2, scaled, float("-inf"))
+    def tempered():
+        # Scaled from the best token down, so that no temperature overflows or underflows
+        # the best one; forbidden tokens (-1e9 biases) stay forbidden at any temperature.
+        best = tf.reduce_max(log_probs, axis=-1, keepdims=True)
+        scaled = (log_probs - best) / tf.cast(sampling.temperature, tf.float32)
+        return tf.where(log_probs > NEG_INF / 2, scaled, float("-inf"))
+
+    # At temperature 1 the log-probabilities are the logits (forbidden tokens' exp is 0).
+    if sampling.static:
+        logits = log_probs if sampling.temperature == 1.0 else tempered()
+    else:
+        logits = tf.cond(tf.equal(tf.cast(sampling.temperature, tf.float32), 1.0),
+                         lambda: log_probs, tempered)
+    # Either way logits <= 0 with the best near 0: exp needs no softmax's max and sum
+    # (the inverse transform takes unnormalized masses).
     if sampling.static:
         if sampling.top_k > 0 or sampling.top_p < 1.0:
             return _sorted_choice(logits, uniforms, sampling.top_k, sampling.top_p)
-        return _inverse_transform(tf.nn.softmax(logits), uniforms)
+        return _inverse_transform(tf.exp(logits), uniforms)
     top_k, top_p = tf.cast(sampling.top_k, tf.int32), tf.cast(sampling.top_p, tf.float32)
     return tf.cond((top_k > 0) | (top_p < 1.0),
                    lambda: _sorted_choice(logits, uniforms, top_k, top_p),
-                   lambda: _inverse_transform(tf.nn.softmax(logits), uniforms))
+                   lambda: _inverse_transform(tf.exp(logits), uniforms))
 
 
 def _sorted_choice(logits, uniforms, top_k, top_p):
