@@ -2,8 +2,8 @@
 
 A line over `max_input_tokens` subword tokens (EOS included) is, as the caller asks:
 - "split" (the default): cut into sentences (after `.`, `!`, `?`, `…` and closing quotes or
-  brackets, before a space), packed greedily into segments that fit; a sentence that alone
-  does not fit is cut between words. Each segment is translated on its own and the outputs
+  brackets, before a space); a sentence that alone does not fit is cut between words. Each
+  sentence (segment) is translated on its own, as the model was trained, and the outputs
   are joined with a space: still one output line per input line. Flagged "split".
 - "truncate": its first tokens kept (EOS last). Flagged "truncated".
 - "error": `InputTooLong` before anything is decoded, naming the line.
@@ -69,16 +69,18 @@ def _pack(units: list[str], counts: list[int], budget: int) -> list[str]:
 
 
 def _split_line(text: str, count_tokens: TokenCounter, budget: int) -> list[str]:
-    sentences = split_sentences(text)
+    """One segment per sentence (a model trained on sentences translates several packed
+    together badly: it tends to stop after the first few); a sentence over the budget is
+    cut between words into as few segments as fit."""
     segments = []
+    sentences = split_sentences(text)
     for sentence, count in zip(sentences, count_tokens(sentences), strict=True):
         if count <= budget:
-            segments.append((sentence, count))
-            continue
-        words = sentence.split()
-        for group in _pack(words, count_tokens(words), budget):
-            segments.append((group, budget))  # full: nothing is packed after it
-    return _pack([text for text, _ in segments], [count for _, count in segments], budget)
+            segments.append(sentence)
+        else:
+            words = sentence.split()
+            segments += _pack(words, count_tokens(words), budget)
+    return segments
 
 
 def segment_lines(texts: Sequence[str], count_tokens: TokenCounter, max_input_tokens: int,
