@@ -10,7 +10,12 @@ their SHA-256) and the per-step losses of 300 steps of the recipe's batches trai
 TensorFlow in float32.
 
 Prints one JSON object (stdout), made of three parts, each run in its own process (a crash or
-a time-out of one leaves the others' results) within a time budget (`--budget`):
+a time-out of one leaves the others' results) within a time budget (`--budget`). First, up to
+30% of the budget, parallel processes compile what the parts will run (the agreement's batch
+shapes, each preset's step, torch.compile's graphs) into the persistent caches (`--no-warm`:
+not), since compiled one after another they take longer than the whole check may (cold on an
+H200: ~13 s for each of the agreement's 10 shapes, 20-45 s for each preset and each
+torch.compile). `warm` in the JSON says what each warmer did:
 
 - `step`: the device, a measured bfloat16 matmul peak (jnp, several sizes, the best), and the
   project's real trainer step (`TransformerTrainer` compiled as `keras_transformer/training/
@@ -79,6 +84,10 @@ STEP_SHAPES = {"small": (256, 32, 32, 8000), "base": (400, 64, 64, 37000),
 PARTS = ("agreement", "step", "torch")
 # Shares of the time budget; time a part leaves goes to the later ones.
 PART_SHARES = {"agreement": 0.40, "step": 0.35, "torch": 0.25}
+# The budget's share for warming the compilation caches in parallel processes first (cold,
+# one after another, the agreement's 10 shapes, the three presets and torch.compile take
+# ~5 minutes of compiling: more than the whole check may take).
+WARM_SHARE = 0.30
 # bfloat16 dense tensor-core peak of the device's spec, TFLOP/s (NVIDIA data sheets; the
 # sparse figures are twice these). First match in the device name wins.
 SPEC_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0),
@@ -584,11 +593,7 @@ def torch_worker(settings: dict[str, Any], deadline: float, results: Results) ->
     results.save()
     _log(f"torch {torch.__version__} on {record['device_name']}: matmul peak "
          f"{record['matmul_peak']['tflops_per_second']:.1f} TFLOP/s")
-    plan = [("eager", preset) for preset in settings["presets"]]
-    plan += [("compile", preset) for preset in settings["torch_compile_presets"]]
-    for mode, preset in plan:
-        if mode not in settings["torch_modes"]:
-            continue
+    for mode, preset in torch_plan(settings):
         needed = settings["min_seconds_per_preset"] * (2 if mode == "compile" else 1)
         if _left(deadline) < needed:
             record[mode][preset] = {"skipped": "time budget"}
@@ -606,6 +611,21 @@ def torch_worker(settings: dict[str, Any], deadline: float, results: Results) ->
             torch.cuda.empty_cache()
         results.save()
         _log(f"torch {mode} {preset}: {_brief(record[mode][preset])}")
+
+
+def torch_plan(settings: dict[str, Any]) -> list[tuple[str, str]]:
+    """(mode, preset) in the order the peer runs them: preset by preset, in the order of
+    `torch_compile_presets` (base first: the issue's comparison), each eager then compiled,
+    so that a budget that runs out leaves the least important ones (small) out."""
+    order = [*settings["torch_compile_presets"],
+             *(p for p in settings["presets"] if p not in settings["torch_compile_presets"])]
+    plan = []
+    for preset in order:
+        if "eager" in settings["torch_modes"] and preset in settings["presets"]:
+            plan.append(("eager", preset))
+        if "compile" in settings["torch_modes"] and preset in settings["torch_compile_presets"]:
+            plan.append(("compile", preset))
+    return plan
 
 
 def torch_matmul_peak(torch, device: str, sizes: list[int], flops: float,
@@ -759,7 +779,123 @@ def torch_step(torch, device: str, preset: str, compiled: bool,
             "finite": math.isfinite(first_loss) and math.isfinite(last_loss)}
 
 
-WORKERS = {"step": step_worker, "agreement": agreement_worker, "torch": torch_worker}
+# --- Warming the compilation caches, in parallel ---
+
+
+def agreement_shapes(settings: dict[str, Any]) -> list[str]:
+    """The distinct batch shapes of the agreement's steps, in order of first use."""
+    bundle = Path(settings["bundle"])
+    reference = json.loads((bundle / REFERENCE_FILE).read_text())
+    batches = recipe_batches(bundle / reference["prepared"]["folder"], reference["batches"])
+    steps = min(settings["agreement_steps"], len(reference["steps"]))
+    shapes: dict[str, None] = {}
+    for _ in range(steps):
+        features, _labels = next(batches)
+        shapes.setdefault(_shape_key(features), None)
+    return list(shapes)
+
+
+def _shape_key(features: dict[str, Any]) -> str:
+    return "x".join(map(str, (*features["source"].shape, features["target"].shape[1])))
+
+
+def warm_worker(settings: dict[str, Any], deadline: float, results: Results) -> None:
+    """Compiles one piece of a later part, so that part finds it in the persistent caches
+    (JAX's compilation cache; Inductor's FX-graph and Triton caches): the parts' own first
+    steps then load programs instead of compiling them one after another."""
+    task = settings["warm_task"]
+    results.data["task"] = task
+    start = time.perf_counter()
+    if task["kind"] == "agreement":
+        bundle = Path(settings["bundle"])
+        reference = json.loads((bundle / REFERENCE_FILE).read_text())
+        model = recipe_model(reference["recipe_settings"], task["precision"])
+        set_initial_weights(model, int(reference["initial_weights"]["seed"]))
+        wanted = set(task["shapes"])
+        batches = recipe_batches(bundle / reference["prepared"]["folder"],
+                                 reference["batches"])
+        for _ in range(min(settings["agreement_steps"], len(reference["steps"]))):
+            if not wanted or _left(deadline) < 1:
+                break
+            features, labels = next(batches)
+            if _shape_key(features) in wanted:
+                wanted.discard(_shape_key(features))
+                model.train_on_batch(features, labels)
+    elif task["kind"] == "keras":
+        keras_step(task["preset"], dict(settings, steps=1, window=1))
+    elif task["kind"] == "torch":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_step(torch, device, task["preset"], True, dict(settings, steps=1, window=1))
+    results.data["seconds"] = round(time.perf_counter() - start, 1)
+    results.save()
+
+
+def warm_tasks(settings: dict[str, Any], parts: list[str]) -> list[dict[str, Any]]:
+    """What the parts will compile, cut into pieces for parallel warmers."""
+    tasks: list[dict[str, Any]] = []
+    if "agreement" in parts:
+        shapes = agreement_shapes(settings)
+        count = max(1, min(len(shapes), settings["agreement_warmers"]))
+        for precision in settings["agreement_precisions"]:
+            tasks += [{"kind": "agreement", "precision": precision,
+                       "shapes": shapes[index::count]} for index in range(count)]
+    if "step" in parts:
+        tasks += [{"kind": "keras", "preset": preset} for preset in settings["presets"]]
+    if "torch" in parts and "compile" in settings["torch_modes"]:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is not None:
+            tasks += [{"kind": "torch", "preset": preset}
+                      for preset in settings["torch_compile_presets"]]
+    return tasks
+
+
+def warm_caches(settings: dict[str, Any], parts: list[str], seconds: float, log_dir: Path,
+                work: Path) -> dict[str, Any]:
+    """Runs `warm_tasks` in parallel processes for at most `seconds`; how each went."""
+    tasks = warm_tasks(settings, parts)
+    processes = []
+    deadline = time.time() + seconds
+    start = time.time()
+    for index, task in enumerate(tasks):
+        name = f"warm{index}_{task['kind']}_{task.get('preset', task.get('precision'))}"
+        env = _worker_env("agreement" if task["kind"] == "agreement" else task["kind"],
+                          settings)
+        # Many processes share the GPU: none may take most of its memory up front.
+        env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        out = work / f"{name}.json"
+        log = log_dir / f"accelerator_check_{name}.log"
+        command = _worker_command("warm", dict(settings, warm_task=task), deadline, out)
+        stream = open(log, "w")  # noqa: SIM115 (closed below, after the process ends)
+        processes.append((name, out, log, stream, subprocess.Popen(
+            command, stdout=stream, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            start_new_session=True)))
+    record: dict[str, Any] = {"tasks": len(tasks), "budget_seconds": round(seconds, 1),
+                              "by_task": {}}
+    for name, out, log, stream, process in processes:
+        try:
+            rc = process.wait(timeout=max(deadline - time.time(), 0.0) + 5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            rc = process.wait()
+        stream.close()
+        try:
+            data = json.loads(out.read_text())
+        except (OSError, json.JSONDecodeError):
+            data = {}
+        entry = {"rc": rc, "seconds": data.get("seconds")}
+        if rc != 0:
+            entry["log_tail"] = log.read_text(errors="replace")[-1500:]
+        record["by_task"][name] = entry
+    record["seconds"] = round(time.time() - start, 1)
+    return record
+
+
+WORKERS = {"step": step_worker, "agreement": agreement_worker, "torch": torch_worker,
+           "warm": warm_worker}
 
 
 def run_worker(part: str, settings: dict[str, Any], deadline: float, out: Path) -> None:
@@ -792,21 +928,33 @@ def add_mfu(record: dict[str, Any], spec: float | None, measured: float | None) 
                                      if measured else None)
 
 
+def _worker_env(part: str, settings: dict[str, Any]) -> dict[str, str]:
+    """A worker's environment: the JAX backend; the agreement's XLA flags for its programs
+    (also when warming them: the flags are part of the compilation cache's key)."""
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONUNBUFFERED="1")
+    if part == "agreement" and settings["agreement_xla_flags"]:
+        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"),
+                                                  settings["agreement_xla_flags"]]))
+    return env
+
+
+def _worker_command(part: str, settings: dict[str, Any], deadline: float,
+                    out: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", part,
+            "--worker-out", str(out), "--worker-deadline", repr(deadline),
+            "--worker-settings", json.dumps(settings)]
+
+
 def run_part(part: str, settings: dict[str, Any], seconds: float, log_dir: Path,
              work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Runs one part in a child process for at most `seconds` (+ a grace period); its
     results (partial if it was stopped) and how it ran."""
     out = work / f"{part}.json"
     log = log_dir / f"accelerator_check_{part}.log"
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONUNBUFFERED="1")
-    if part == "agreement" and settings["agreement_xla_flags"]:
-        env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"),
-                                                  settings["agreement_xla_flags"]]))
+    env = _worker_env(part, settings)
     deadline = time.time() + seconds
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", part,
-               "--worker-out", str(out), "--worker-deadline", repr(deadline),
-               "--worker-settings", json.dumps(settings)]
+    command = _worker_command(part, settings, deadline, out)
     start = time.time()
     timed_out = False
     with open(log, "w") as stream:
@@ -853,6 +1001,13 @@ def orchestrate(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str,
     log_dir.mkdir(parents=True, exist_ok=True)
     merged: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
+        if settings["warm"] and parts:
+            seconds = settings["budget"] * settings["warm_share"]
+            _log(f"warming the compilation caches: up to {seconds:.0f} s")
+            report["warm"] = warm_caches(settings, parts, seconds, log_dir, Path(work))
+            _log(f"warm in {report['warm']['seconds']} s: " + ", ".join(
+                f"{name} rc {entry['rc']} {entry['seconds']} s"
+                for name, entry in report["warm"]["by_task"].items()))
         for index, part in enumerate(parts):
             left = settings["budget"] - (time.time() - started)
             shares = [PART_SHARES[p] for p in parts[index:]]
@@ -963,7 +1118,10 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
         "torch_modes": listed(args.torch_modes, "eager,compile"),
         "torch_compile_presets": listed(args.torch_compile_presets,
                                         ",".join(presets) if quick else "base,big,small"),
-        "budget": args.budget if args.budget is not None else (1800.0 if quick else 240.0),
+        "budget": args.budget if args.budget is not None else (1800.0 if quick else 265.0),
+        "warm": not args.no_warm,
+        "warm_share": WARM_SHARE,
+        "agreement_warmers": 6,
         "grace_seconds": 20.0,
         "min_seconds_per_preset": 5.0 if quick else 20.0,
     }
@@ -1009,8 +1167,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--torch-compile-presets",
                         help="presets of torch.compile, in order (default base,big,small)")
     parser.add_argument("--budget", type=float,
-                        help="seconds for all parts (default 240: the run tool's 300 s less "
-                             "the install and a margin)")
+                        help="seconds for the warming and all parts (default 265: the run "
+                             "tool's 300 s less the install and a margin)")
+    parser.add_argument("--no-warm", action="store_true",
+                        help="no parallel warming of the compilation caches first (each "
+                             "part then compiles its programs one after another)")
     parser.add_argument("--bundle", default=str(DEFAULT_BUNDLE))
     parser.add_argument("--quick", action="store_true",
                         help="a CPU test: tiny shapes, 20 float32 agreement steps")
@@ -1018,7 +1179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", help="the parts' logs (default $OUT, else a temp dir)")
     parser.add_argument("--unpack-wheels", nargs=2, metavar=("WHEELS", "TARGET"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--worker", choices=PARTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*PARTS, "warm"), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--worker-deadline", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--worker-settings", help=argparse.SUPPRESS)

@@ -13,8 +13,9 @@
 #        command:   bash benchmarks/accelerator_check.sh
 #        carry:     ["build/accelerator_bundle"]
 #        timeout_s: 300
-#    The check keeps to --budget seconds (default 240: the parts in turn, each in its own
-#    process, killed at its share) and writes what it finished even if a part is stopped.
+#    The check keeps to --budget seconds (default 265: first the compilation caches warmed
+#    by parallel processes, then the parts in turn, each in its own process, killed at its
+#    share) and writes what it finished even if a part is stopped.
 #    Arguments go to the Python check, e.g. only some parts, or fewer steps:
 #        bash benchmarks/accelerator_check.sh --parts step,agreement --steps 40
 #        bash benchmarks/accelerator_check.sh --parts torch --presets base,big --budget 200
