@@ -87,14 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     data, args = parse_args(argv)
     # Imported after parsing: they load TensorFlow (~4 s), which `--help` and a refused flag
     # should not wait for.
-    from pipelines.corpora import open_corpus
+    from keras_transformer.training.run_data import open_training_split
     from pipelines.prepared import prepare_corpus
 
     show_project_logs()
     try:
         data.check()
-        split = open_corpus(data.data, data.train_split, data.src, data.tgt,
-                            data_dir=data.data_dir, manual_dir=data.manual_dir)
+        split = open_training_split(data)
         validation = validation_split(data, explicit=getattr(args, "val_split", None)
                                       is not None)
         prepared = prepare_corpus(

@@ -161,6 +161,8 @@ def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
         "warmup_steps": optimization.warmup_steps, "lr_scale": optimization.lr_scale,
         "seed": optimization.seed, "checkpoint_every": config.output.checkpoint_every,
         "validate_every": config.validate_every,
+        # Recorded only when set: the identities of other runs stay as they were.
+        **({"init_from": config.model.init_from} if config.model.init_from else {}),
     }
     return {"identity": identity, "model": model, "arguments": config.flags()}
 

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "corpus_fingerprint",
     "log_dropped",
     "load_corpus",
+    "mixed_corpus",
     "open_corpus",
     "scan_corpus",
     "source_languages",
@@ -101,14 +102,31 @@ class CorpusSplit:
     files: tuple[Path, Path] | None = None
     tfds: tfds_corpora.TfdsSplit | None = None
     parts: tuple[CorpusSplit, ...] = ()
+    repeat: int = 1
+    source_tag: str = ""
 
     def pairs(self) -> Iterator[tuple[str, str]]:
         """Validated ``(source, target)`` pairs in corpus order, streamed.
 
         Whitespace around each sentence is stripped; pairs blank on both sides are
-        skipped (and counted in a warning). Raises :class:`CorpusError` while iterating,
-        at the first problem.
+        skipped (and counted in a warning). A split with ``repeat`` N gives its pairs N
+        times over; one with a ``source_tag`` puts it, and a space, before each source.
+        Raises :class:`CorpusError` while iterating, at the first problem.
         """
+        for _ in range(self.repeat):
+            if not self.source_tag:
+                yield from self._pairs_once()
+                continue
+            for source, target in self._pairs_once():
+                yield f"{self.source_tag} {source}", target
+
+    def source_tags(self) -> list[str]:
+        """The source tags of this split and its parts, sorted (reserved tokens for the
+        tokenizer: each one is one piece, never split)."""
+        tags = {self.source_tag} | {tag for part in self.parts for tag in part.source_tags()}
+        return sorted(tags - {""})
+
+    def _pairs_once(self) -> Iterator[tuple[str, str]]:
         if self.parts:
             for part in self.parts:
                 yield from part.pairs()
@@ -141,6 +159,9 @@ class CorpusSplit:
         """
         base = {"origin": self.origin, "split": self.split, "src_lang": self.src_lang,
                 "tgt_lang": self.tgt_lang}
+        # Recorded only when set: the identities of plain splits stay as they were.
+        base.update({"repeat": self.repeat} if self.repeat != 1 else {})
+        base.update({"source_tag": self.source_tag} if self.source_tag else {})
         if self.parts:
             parts = [part.identity() for part in self.parts]
             return {**base, "parts": parts,
@@ -236,6 +257,48 @@ def open_corpus(
             )
     return CorpusSplit(str(folder), name, src_lang, tgt_lang,
                        files=(langs[src_lang], langs[tgt_lang]))
+
+
+def mixed_corpus(real: CorpusSplit, *, added: Sequence[CorpusSplit] = (),
+                 synthetic: Sequence[CorpusSplit] = (), upsample_real: int = 1,
+                 synthetic_tag: str = "") -> CorpusSplit:
+    """One training split of real pairs, other real corpora and synthetic pairs, streamed one
+    after the other (the preparation spreads them over its shards, seeded).
+
+    Back-translation (Sennrich et al. 2016) trains on real pairs together with synthetic
+    ones whose sources are machine translations of monolingual target text; a tag token
+    before each synthetic source tells the model which is which (Caswell et al. 2019,
+    "Tagged Back-Translation"), and repeating the real pairs sets the real:synthetic ratio
+    (fairseq's ``--upsample-primary``; Edunov et al. 2018). Fine-tuning on a new domain adds
+    some of the old corpus the same way, against forgetting (Chu et al. 2017).
+
+    Args:
+      real: the real training split (its repeat is replaced by ``upsample_real``).
+      added: more real splits (e.g. the old domain's), as they are, untagged.
+      synthetic: synthetic splits (e.g. `keras_transformer.back_translate` folders).
+      upsample_real: how many times ``real`` is repeated (>= 1).
+      synthetic_tag: put before each synthetic source ("" for none).
+
+    Raises:
+      CorpusError: a split of other languages than ``real``'s, or a bad repeat or tag.
+    """
+    if isinstance(upsample_real, bool) or not isinstance(upsample_real, int) or upsample_real < 1:
+        raise CorpusError(f"the real pairs' upsampling must be a whole number >= 1, got "
+                          f"{upsample_real!r}")
+    if synthetic_tag != synthetic_tag.strip() or " " in synthetic_tag:
+        raise CorpusError(f"the synthetic tag {synthetic_tag!r} must be one token without "
+                          "spaces, e.g. <BT>")
+    for other in (*added, *synthetic):
+        if (other.src_lang, other.tgt_lang) != (real.src_lang, real.tgt_lang):
+            raise CorpusError(f"{other.origin} [{other.split}] is {other.src_lang}-"
+                              f"{other.tgt_lang}, the training data {real.src_lang}-"
+                              f"{real.tgt_lang}: give corpora of the same languages")
+    if not added and not synthetic and upsample_real == 1:
+        return real
+    parts = (dataclasses.replace(real, repeat=upsample_real), *added,
+             *(dataclasses.replace(part, source_tag=synthetic_tag) for part in synthetic))
+    return CorpusSplit(" + ".join(part.origin for part in parts), real.split, real.src_lang,
+                       real.tgt_lang, parts=parts)
 
 
 def source_languages(src_lang: str) -> list[str]:

@@ -37,6 +37,7 @@ of that check into one line naming the file.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -163,6 +164,7 @@ def prepare_corpus(
     subword_alpha: float = 0.1,
     validation: ParallelCorpus | None = None,
     validation_split: str | None = None,
+    tokenizer: SubwordTokenizer | None = None,
 ) -> PreparedCorpus:
     """Prepare a training split into ``directory`` (see the module docstring).
 
@@ -189,6 +191,10 @@ def prepare_corpus(
         TensorFlow). Without it the manifest has no ``"validation"`` entry.
       validation_split: the name ``validation`` was asked for by (``--val-split``),
         recorded beside its resolved name; default: the resolved one.
+      tokenizer: the tokenizer to use instead of training one (fine-tuning a trained model
+        keeps its vocabulary); its vocabulary size must be ``vocab_size``. Without it, one
+        is trained on the sample, with the split's source tags
+        (:meth:`~pipelines.corpora.CorpusSplit.source_tags`) reserved as single pieces.
 
     Returns:
       The :class:`PreparedCorpus`.
@@ -226,12 +232,20 @@ def prepare_corpus(
         if subword_samples:  # recorded only then: manifests without sampling are unchanged
             settings.update(sampling_settings(subword_samples, subword_alpha))
         sample = scan.sample
-        tokenizer = train_tokenizer(
-            [*sample.sources, *sample.targets], staging / TOKENIZER_DIR, vocab_size=vocab_size,
-            seed=seed, extra_settings={"corpus_fingerprint": scan.fingerprint,
-                                       "sample_pairs": len(sample),
-                                       "corpus": f"{split.origin} [{split.split}] "
-                                                 f"{split.src_lang}-{split.tgt_lang}"})
+        if tokenizer is not None:
+            if tokenizer.vocab_size != vocab_size:
+                raise ValueError(f"the given tokenizer has {tokenizer.vocab_size} pieces, not "
+                                 f"vocab_size={vocab_size}")
+            settings["tokenizer_given"] = hashlib.sha256(tokenizer.model_proto).hexdigest()
+            tokenizer.save(staging / TOKENIZER_DIR)
+        else:
+            tokenizer = train_tokenizer(
+                [*sample.sources, *sample.targets], staging / TOKENIZER_DIR,
+                vocab_size=vocab_size, seed=seed, reserved_symbols=split.source_tags(),
+                extra_settings={"corpus_fingerprint": scan.fingerprint,
+                                "sample_pairs": len(sample),
+                                "corpus": f"{split.origin} [{split.split}] "
+                                          f"{split.src_lang}-{split.tgt_lang}"})
         num_shards = max(min_shards, math.ceil(scan.pairs / shard_pairs))
         try:
             shards, seen = shard_files.write_shards(

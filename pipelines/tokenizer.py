@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,7 @@ def train_tokenizer(
     model_type: str = "bpe",
     seed: int = 0,
     extra_settings: Mapping[str, Any] | None = None,
+    reserved_symbols: Sequence[str] = (),
 ) -> SubwordTokenizer:
     """Train a sentencepiece model on ``texts`` and save it to ``directory`` (replacing it).
 
@@ -234,12 +235,16 @@ def train_tokenizer(
       model_type: ``"bpe"`` or ``"unigram"``.
       seed: seeds sentencepiece's sampling of sentences on very large corpora.
       extra_settings: recorded in ``tokenizer.json`` beside the training settings.
+      reserved_symbols: tokens that are always one piece wherever they occur (e.g. the tag
+        before back-translated sources, ``<BT>``): SentencePiece's user-defined symbols.
 
     Raises:
       ValueError: bad arguments, or a vocabulary too large for the corpus.
       StorageError: saving failed because of the storage (see :meth:`SubwordTokenizer.save`).
     """
     settings = _training_settings(vocab_size, model_type, seed)
+    if reserved_symbols:  # recorded only then: other tokenizers' settings are unchanged
+        settings["user_defined_symbols"] = list(reserved_symbols)
     texts = list(texts)
     if not texts:
         raise ValueError("cannot train a tokenizer on no text")

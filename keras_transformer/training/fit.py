@@ -24,6 +24,7 @@ from keras_transformer.kernels import fused_kernels
 from keras_transformer.training import backup
 from keras_transformer.training import callbacks as cb
 from keras_transformer.training.config import TrainConfig
+from keras_transformer.training.fine_tuning import load_initial_weights, read_initial_run
 from keras_transformer.training.precision import (
     describe_precision,
     gpu_capabilities,
@@ -95,6 +96,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
                         advice="Every worker must resume from the chief's backup: is the run "
                                "directory the same shared path on every machine?")
     step = cb.global_step(model)
+    if step == 0 and config.model.init_from:  # fine-tuning: the old run's weights
+        load_initial_weights(model, read_initial_run(config.model.init_from))
 
     batching = dict(tokenizer=tokenizer, tokens_per_batch=budget.global_micro_batch,
                     max_length=max_length, seed=optimization.seed, **shapes)

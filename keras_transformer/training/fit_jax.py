@@ -21,6 +21,7 @@ from keras_transformer import run_directory
 from keras_transformer.training import backup
 from keras_transformer.training import callbacks as cb
 from keras_transformer.training.config import TrainConfig
+from keras_transformer.training.fine_tuning import load_initial_weights, read_initial_run
 from keras_transformer.training.precision import (
     describe_precision,
     jax_gpu_capabilities,
@@ -70,6 +71,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     model = compiled_trainer(record, optimization, precision, True, accumulate)
     state = backup.restore_backup(model, out, repair=True)
     step = cb.global_step(model)
+    if step == 0 and config.model.init_from:  # fine-tuning: the old run's weights
+        load_initial_weights(model, read_initial_run(config.model.init_from))
     # The seeded stream of the TensorFlow run, resumed at its batch (no replay).
     train_data = prepared_batches(prepared, tokens_per_batch=budget.global_micro_batch,
                                   max_length=max_length, seed=optimization.seed,

@@ -44,7 +44,7 @@ from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.run_directory import run_record
 from keras_transformer.serving.saved_model import export_saved_model
-from keras_transformer.training import backup, fit_jax, run_data
+from keras_transformer.training import backup, fine_tuning, fit_jax, run_data
 from keras_transformer.training.config import DEFAULT_MAX_STEPS, EvaluationConfig, TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
@@ -58,6 +58,7 @@ from keras_transformer.training.val_choice import (
 )
 from pipelines import storage
 from pipelines.batching import make_batches
+from pipelines.corpora import load_corpus
 from pipelines.tokenizer import SubwordTokenizer
 
 _LOG = logging.getLogger("keras_transformer")
@@ -105,6 +106,7 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
     cluster = None
     try:
         model_config = config.check()
+        initial = fine_tuning.initial_run(config, model_config)  # --init-from, checked
         cluster = read_cluster()
         on_jax = config.optimization.backend == "jax"
         check_backend(config.optimization.backend)
@@ -131,8 +133,8 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         prepared = scan = None
         if mode != "finished":
             # Other workers read the chief's data once it has them (it may be replacing them).
-            prepared = (run_data.find_prepared(config, corpora, will_overwrite=mode == "fresh")
-                        if chief else None)
+            prepared = (run_data.find_prepared(config, corpora, will_overwrite=mode == "fresh",
+                                               initial=initial) if chief else None)
             if dry_run:
                 plan = describe_plan(config, model_config, corpora, budget, mode, prepared)
                 say(plan)
@@ -159,7 +161,7 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
     home = out if chief else Path(tempfile.mkdtemp(prefix="keras_transformer_worker_"))
     try:
         data = run_data.training_data(config, corpora["train"], prepared, scan, cluster, say,
-                                      validation=corpora["val"])
+                                      validation=corpora["val"], initial=initial)
         run_data.copy_tokenizer(data, home)
         scan = None  # its tokenizer sample (up to a few hundred MB) is no longer needed
         if on_jax:
@@ -339,10 +341,38 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                 else Path("saved_models") / Path(config.output.out).name)
         results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=beam,
                                                    alpha=alpha))
+    if config.model.init_from:
+        results["fine_tuning"] = _before_and_after(config, record, corpora, model, tokenizer,
+                                                   results, beam, alpha)
     results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
     storage.write_json(run / run_directory.RESULTS_FILE, results)
     summarize(run, results)
     return results
+
+
+def _before_and_after(config: TrainConfig, record: dict[str, Any], corpora: dict[str, Any],
+                      model, tokenizer, results: dict[str, Any], beam: int,
+                      alpha: float) -> dict[str, Any]:
+    """A fine-tuned run's test scores before and after, on its test split and on the initial
+    run's (`keras_transformer.training.fine_tuning`), at this run's beam and alpha."""
+    initial = fine_tuning.read_initial_run(config.model.init_from)
+    limit = config.data.test_limit
+
+    def score(candidate, tokenizer, corpus) -> dict[str, Any]:
+        count = limit or len(corpus)
+        _LOG.info(f"translating {min(count, len(corpus))} {corpus.origin} [{corpus.split}] "
+                  "sentences (fine-tuning: before/after) ...")
+        hypotheses = translate_texts(candidate, tokenizer, corpus.sources[:count],
+                                     beam_size=beam, alpha=alpha)
+        return score_translations(hypotheses, corpus.targets[:count])
+
+    old_test = fine_tuning.old_test_corpus(initial, load_corpus)
+    after = {"test": results} if "bleu" in results else {}
+    if old_test is not None:
+        after["old_test"] = score(model, tokenizer, old_test)
+    return fine_tuning.evaluate_before_and_after(
+        initial, build_transformer(**record["model"]), tokenizer,
+        {"test": corpora.get("test"), "old_test": old_test}, score, after)
 
 
 def summarize(run: Path, results: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ Library code of `run_training`: every function takes the run's `TrainConfig` and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,10 +14,15 @@ from typing import TYPE_CHECKING, Any
 from keras_transformer import run_directory
 from keras_transformer.cluster.workers import wait_for_all
 from keras_transformer.errors import UsageError
-from keras_transformer.training.config import TrainConfig
+from keras_transformer.training.config import DataConfig, TrainConfig, comma_separated
+from keras_transformer.training.fine_tuning import (
+    InitialRun,
+    check_prepared_tokenizer,
+)
 from pipelines.corpora import (
     CorpusError,
     load_corpus,
+    mixed_corpus,
     open_corpus,
     scan_corpus,
     source_languages,
@@ -30,6 +36,8 @@ from pipelines.prepared import (
 )
 from pipelines.tokenizer import SubwordTokenizer
 
+# What `keras_transformer.back_translate` writes beside a synthetic corpus.
+SYNTHETIC_PROVENANCE = "provenance.json"
 # How long a non-chief worker waits for the chief to prepare the training data.
 PREPARE_WAIT_SECONDS = 3 * 3600
 
@@ -37,6 +45,30 @@ if TYPE_CHECKING:
     from keras_transformer.cluster.workers import Cluster
     from pipelines.corpora import CorpusScan, CorpusSplit, ParallelCorpus
     from pipelines.prepared import PreparedCorpus
+
+
+def open_training_split(data: DataConfig) -> CorpusSplit:
+    """The run's training split: --data's, mixed with --add-data and --synthetic corpora
+    (`pipelines.corpora.mixed_corpus`) when given.
+
+    Raises:
+        CorpusError: a corpus is missing or of other languages.
+        UsageError: a synthetic folder whose back-translation has not finished.
+    """
+    where = dict(data_dir=data.data_dir, manual_dir=data.manual_dir)
+    real = open_corpus(data.data, data.train_split, data.src, data.tgt, **where)
+    added = [open_corpus(folder, "train", data.src, data.tgt)
+             for folder in comma_separated(data.add_data, str)]
+    synthetic = []
+    for folder in comma_separated(data.synthetic, str):
+        provenance = Path(folder) / SYNTHETIC_PROVENANCE
+        if provenance.is_file() and not json.loads(provenance.read_text()).get("complete"):
+            raise UsageError(f"--synthetic {folder}: its back-translation has not finished "
+                             f"({provenance}: complete is false); run the same back_translate "
+                             "command again to finish it")
+        synthetic.append(open_corpus(folder, "train", data.src, data.tgt))
+    return mixed_corpus(real, added=added, synthetic=synthetic,
+                        upsample_real=data.upsample_real, synthetic_tag=data.synthetic_tag)
 
 
 def load_corpora(config: TrainConfig) -> dict[str, Any]:
@@ -51,7 +83,7 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
     where = dict(data_dir=data.data_dir, manual_dir=data.manual_dir)
     corpora: dict[str, Any] = {"train": None}
     try:
-        corpora["train"] = open_corpus(data.data, data.train_split, data.src, data.tgt, **where)
+        corpora["train"] = open_training_split(data)
     except CorpusError as error:
         if not data.prepared:
             raise UsageError(f"train data: {error}") from None
@@ -78,7 +110,7 @@ def prepared_dir(config: TrainConfig) -> Path:
     return Path(config.output.out) / run_directory.PREPARED_DIR
 
 
-def check_prepared(config: TrainConfig, prepared) -> None:
+def check_prepared(config: TrainConfig, prepared, initial: InitialRun | None = None) -> None:
     """Refuses prepared data made with settings other than this run's.
 
     Languages, vocabulary size and tokenizer sample must be equal; the run's --max-length
@@ -95,14 +127,16 @@ def check_prepared(config: TrainConfig, prepared) -> None:
                                                      config.data.subword_alpha)})
     except PreparedError as error:
         raise UsageError(str(error)) from None
+    if initial is not None:  # --init-from: its vocabulary
+        check_prepared_tokenizer(initial, prepared)
     longest = prepared.settings["max_length"]
     if config.data.max_length > longest:
         raise UsageError(f"--max-length {config.data.max_length} is above the {longest} that "
                          f"{prepared.directory} was prepared with; lower it, or prepare again")
 
 
-def find_prepared(config: TrainConfig, corpora: dict[str, Any],
-                  will_overwrite: bool) -> PreparedCorpus | None:
+def find_prepared(config: TrainConfig, corpora: dict[str, Any], will_overwrite: bool,
+                  initial: InitialRun | None = None) -> PreparedCorpus | None:
     """The complete, matching, undamaged prepared data of this run, or None if they must be
     made. Every shard file's checksum is verified (`PreparedCorpus.verify`).
 
@@ -127,7 +161,7 @@ def find_prepared(config: TrainConfig, corpora: dict[str, Any],
             prepared.check_source(corpora["train"])
     except PreparedError as error:
         raise UsageError(str(error)) from None
-    check_prepared(config, prepared)
+    check_prepared(config, prepared, initial)
     try:
         prepared.verify()  # after the cheap checks: it reads every byte
     except PreparedError as error:
@@ -149,7 +183,8 @@ def scan_training_text(config: TrainConfig, train_split: CorpusSplit,
 def training_data(config: TrainConfig, train_split: CorpusSplit | None,
                   prepared: PreparedCorpus | None, scan: CorpusScan | None, cluster: Cluster,
                   report: Callable[[str], None],
-                  validation: ParallelCorpus | None = None) -> PreparedCorpus:
+                  validation: ParallelCorpus | None = None,
+                  initial: InitialRun | None = None) -> PreparedCorpus:
     """The run's `PreparedCorpus`: found earlier, prepared now by the chief (from `scan`,
     with the token ids of `validation`, the run's val split, if given:
     `pipelines.numpy_batches.validation_batches` reads them), or, on other workers, read
@@ -176,7 +211,9 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
                 tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
                 min_shards=cluster.num_workers, seed=config.optimization.seed, scan=scan,
                 subword_samples=data.subword_samples, subword_alpha=data.subword_alpha,
-                validation=validation, validation_split=data.val_split)
+                validation=validation, validation_split=data.val_split,
+                tokenizer=(None if initial is None
+                           else SubwordTokenizer.load(initial.tokenizer_dir)))
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
     if cluster.is_multi_worker:
@@ -189,7 +226,7 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
         except PreparedError as error:
             raise UsageError(f"{error}; the chief prepared it: is {directory} the same shared "
                              "path on every machine (or a copy of it)?") from None
-        check_prepared(config, prepared)
+        check_prepared(config, prepared, initial)
         try:
             prepared.verify()
         except PreparedError as error:

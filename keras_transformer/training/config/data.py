@@ -41,6 +41,20 @@ class DataConfig:
         0.1, "with --subword-samples: for a BPE vocabulary the probability of dropping each "
         "merge (BPE-dropout; 0.1 in its paper), for a unigram one the smoothing of the "
         "sampling distribution (SentencePiece's alpha)", fraction)
+    add_data: str = setting(
+        "", "more real parallel corpora trained on with --data's train split: folders of "
+        "train.{src}/train.{tgt}[.gz], comma-separated (e.g. some of the old domain's pairs "
+        "when fine-tuning with --init-from, against forgetting)")
+    synthetic: str = setting(
+        "", "synthetic parallel corpora trained on with the real pairs: folders made by `python "
+        "-m keras_transformer.back_translate` (back-translation, Sennrich et al. 2016), "
+        "comma-separated")
+    synthetic_tag: str = setting(
+        "<BT>", "token put before each synthetic source (tagged back-translation, Caswell et "
+        "al. 2019), one piece of the vocabulary; '' for none")
+    upsample_real: int = setting(
+        1, "repeat --data's training pairs this many times in the mix with --synthetic and "
+        "--add-data (fairseq's --upsample-primary): sets the real:synthetic ratio", positive)
     prepared: str | None = setting(
         None, "prepared training data (tokenizer and token shards, from `python -m "
         "keras_transformer.prepare`, reusable by several runs); prepared there by the first "
@@ -76,4 +90,4 @@ class DataConfig:
 # The part of `DataConfig` that `python -m keras_transformer.prepare` takes.
 PREPARE_FIELDS = ("data", "src", "tgt", "data_dir", "manual_dir", "train_split", "vocab_size",
                   "max_length", "tokenizer_sample", "shard_pairs", "subword_samples",
-                  "subword_alpha")
+                  "subword_alpha", "add_data", "synthetic", "synthetic_tag", "upsample_real")

@@ -24,6 +24,12 @@ class ModelConfig:
     activation: str | None = setting(None, "feed-forward activation", choices=("relu", "gelu"))
     pre_norm: bool | None = setting(None, "layer norm before each sublayer instead of after "
                                      "(paper: after)")
+    init_from: str | None = setting(
+        None, "fine-tune: start from this finished run's final weights (its model.keras) and "
+        "vocabulary (its tokenizer) instead of random ones, with a fresh optimizer and this "
+        "run's own --warmup-steps and --lr-scale; the architecture and --vocab-size must be the "
+        "run's (refused otherwise). results.json then scores this run's test split and the "
+        "old run's before and after (training/fine_tuning.py)")
 
     def transformer(self, vocab_size: int) -> TransformerConfig:
         """The model's hyperparameters: the preset, these overrides and `vocab_size`.
@@ -32,7 +38,8 @@ class ModelConfig:
             UsageError: an invalid combination (e.g. heads that do not divide d_model).
         """
         overrides = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                     if field.name != "preset" and getattr(self, field.name) is not None}
+                     if field.name not in ("preset", "init_from")
+                     and getattr(self, field.name) is not None}
         try:
             return transformer_config(self.preset, vocab_size=vocab_size, **overrides)
         except ValueError as error:
