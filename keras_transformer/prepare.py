@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data, args = parse_args(argv)
     # Imported after parsing: they load TensorFlow (~4 s), which `--help` and a refused flag
     # should not wait for.
-    from keras_transformer.training.run_data import open_training_split
+    from keras_transformer.training.run_data import open_tokenizer_data, open_training_split
     from pipelines.prepared import prepare_corpus
 
     show_project_logs()
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,
             min_shards=args.shards, seed=args.seed, subword_samples=data.subword_samples,
             subword_alpha=data.subword_alpha, validation=validation,
-            validation_split=data.val_split)
+            validation_split=data.val_split, tokenizer_data=open_tokenizer_data(data))
     except ValueError as error:  # UsageError, CorpusError, PreparedError, a vocabulary too large
         print(f"error: {error}", file=sys.stderr)
         return 2

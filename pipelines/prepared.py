@@ -165,6 +165,7 @@ def prepare_corpus(
     validation: ParallelCorpus | None = None,
     validation_split: str | None = None,
     tokenizer: SubwordTokenizer | None = None,
+    tokenizer_data: Sequence[CorpusSplit] = (),
 ) -> PreparedCorpus:
     """Prepare a training split into ``directory`` (see the module docstring).
 
@@ -195,6 +196,9 @@ def prepare_corpus(
         keeps its vocabulary); its vocabulary size must be ``vocab_size``. Without it, one
         is trained on the sample, with the split's source tags
         (:meth:`~pipelines.corpora.CorpusSplit.source_tags`) reserved as single pieces.
+      tokenizer_data: more splits whose text trains the tokenizer too (``tokenizer_sample``
+        pairs sampled from each, seeded), not the model: one vocabulary for two domains from
+        the start, for a model that will be fine-tuned on the second.
 
     Returns:
       The :class:`PreparedCorpus`.
@@ -239,8 +243,14 @@ def prepare_corpus(
             settings["tokenizer_given"] = hashlib.sha256(tokenizer.model_proto).hexdigest()
             tokenizer.save(staging / TOKENIZER_DIR)
         else:
+            texts = [*sample.sources, *sample.targets]
+            for extra in tokenizer_data:
+                extra_sample = scan_corpus(extra, sample_pairs=tokenizer_sample, seed=seed).sample
+                texts += [*extra_sample.sources, *extra_sample.targets]
+            if tokenizer_data:  # recorded only then: other manifests are unchanged
+                settings["tokenizer_data"] = [extra.origin for extra in tokenizer_data]
             tokenizer = train_tokenizer(
-                [*sample.sources, *sample.targets], staging / TOKENIZER_DIR,
+                texts, staging / TOKENIZER_DIR,
                 vocab_size=vocab_size, seed=seed, reserved_symbols=split.source_tags(),
                 extra_settings={"corpus_fingerprint": scan.fingerprint,
                                 "sample_pairs": len(sample),

@@ -71,6 +71,16 @@ def open_training_split(data: DataConfig) -> CorpusSplit:
                         upsample_real=data.upsample_real, synthetic_tag=data.synthetic_tag)
 
 
+def open_tokenizer_data(data: DataConfig) -> list[CorpusSplit]:
+    """The train splits of --tokenizer-data (text for the vocabulary only).
+
+    Raises:
+        CorpusError: a corpus is missing or of other languages.
+    """
+    return [open_corpus(folder, "train", data.src, data.tgt)
+            for folder in comma_separated(data.tokenizer_data, str)]
+
+
 def load_corpora(config: TrainConfig) -> dict[str, Any]:
     """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects; with
     several source languages, also "test:<language>" for each one after the first.
@@ -123,6 +133,9 @@ def check_prepared(config: TrainConfig, prepared, initial: InitialRun | None = N
         prepared.check_settings({"src_lang": config.data.src, "tgt_lang": config.data.tgt,
                                  "vocab_size": config.data.vocab_size,
                                  "tokenizer_sample": config.data.tokenizer_sample,
+                                 **({"tokenizer_data": [split.origin for split in
+                                                        open_tokenizer_data(config.data)]}
+                                    if config.data.tokenizer_data else {}),
                                  **sampling_settings(config.data.subword_samples,
                                                      config.data.subword_alpha)})
     except PreparedError as error:
@@ -213,7 +226,8 @@ def training_data(config: TrainConfig, train_split: CorpusSplit | None,
                 subword_samples=data.subword_samples, subword_alpha=data.subword_alpha,
                 validation=validation, validation_split=data.val_split,
                 tokenizer=(None if initial is None
-                           else SubwordTokenizer.load(initial.tokenizer_dir)))
+                           else SubwordTokenizer.load(initial.tokenizer_dir)),
+                tokenizer_data=open_tokenizer_data(data))
         except (ValueError, PreparedError) as error:  # e.g. a vocabulary too large
             raise UsageError(f"preparing {directory}: {error}") from None
     if cluster.is_multi_worker:

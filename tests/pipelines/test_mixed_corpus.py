@@ -81,3 +81,22 @@ def test_a_run_opens_its_mix_from_flags_and_refuses_an_unfinished_back_translati
     untagged = data_config(data=str(real), src="de", tgt="en", synthetic=str(bt),
                            synthetic_tag="")
     assert list(open_training_split(untagged).pairs())[-1] == SYNTHETIC[0]
+
+
+def test_tokenizer_data_trains_the_vocabulary_not_the_model(tmp_path, multi30k_dir):
+    captions = open_corpus(multi30k_dir, "val", "de", "en")
+    news = open_corpus(multi30k_dir.parent / "newstest-deen", "val", "de", "en")
+    alone = prepare_corpus(captions, tmp_path / "alone", vocab_size=2000, max_length=64)
+    both = prepare_corpus(captions, tmp_path / "both", vocab_size=2000, max_length=64,
+                          tokenizer_data=[news])
+    # The same training pairs; a vocabulary that has news words as whole pieces.
+    assert both.manifest["pairs_total"] == alone.manifest["pairs_total"] == len(captions.load())
+    assert both.settings["tokenizer_data"] == [news.origin]
+    assert "tokenizer_data" not in alone.settings
+
+    def pieces(prepared, text):
+        tokenizer = prepared.tokenizer()
+        return tokenizer.id_to_piece(tokenizer.tokenize(tf.constant([text])).flat_values
+                                     ).numpy().tolist()
+
+    assert len(pieces(both, "die Regierung")) < len(pieces(alone, "die Regierung"))

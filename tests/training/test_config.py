@@ -133,3 +133,12 @@ def test_prepare_takes_its_share_of_the_settings_as_train_does():
         data_config(data="corpus", src="en", tgt="de", out="runs/x")
     with pytest.raises(UsageError, match="--vocab-size must be positive"):
         data_config(data="corpus", src="en", tgt="de", vocab_size=0)
+
+
+def test_the_back_translation_recipe_needs_its_synthetic_pairs():
+    config = train_config(recipe="multi30k-bt", data="d", src="de", tgt="en", out="o")
+    assert (config.data.upsample_real, config.data.synthetic_tag) == (2, "<BT>")
+    with pytest.raises(UsageError, match="--synthetic FOLDER"):
+        config.check()
+    train_config(recipe="multi30k-bt", data="d", src="de", tgt="en", out="o",
+                 synthetic="bt").check()

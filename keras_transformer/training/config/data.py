@@ -52,6 +52,10 @@ class DataConfig:
     synthetic_tag: str = setting(
         "<BT>", "token put before each synthetic source (tagged back-translation, Caswell et "
         "al. 2019), one piece of the vocabulary; '' for none")
+    tokenizer_data: str = setting(
+        "", "more parallel corpora (folders; their train split) whose text trains the shared "
+        "vocabulary too, not the model: one tokenizer for both domains from the start, when a "
+        "model trained now will be fine-tuned on the other domain later (--init-from)")
     upsample_real: int = setting(
         1, "repeat --data's training pairs this many times in the mix with --synthetic and "
         "--add-data (fairseq's --upsample-primary): sets the real:synthetic ratio", positive)
@@ -90,4 +94,5 @@ class DataConfig:
 # The part of `DataConfig` that `python -m keras_transformer.prepare` takes.
 PREPARE_FIELDS = ("data", "src", "tgt", "data_dir", "manual_dir", "train_split", "vocab_size",
                   "max_length", "tokenizer_sample", "shard_pairs", "subword_samples",
-                  "subword_alpha", "add_data", "synthetic", "synthetic_tag", "upsample_real")
+                  "subword_alpha", "add_data", "synthetic", "synthetic_tag", "upsample_real",
+                  "tokenizer_data")

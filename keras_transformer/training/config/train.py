@@ -57,6 +57,10 @@ class TrainConfig:
             raise UsageError("give --max-steps or --epochs, not both")
         self.data.check()
         self.batches.check(self.data.max_length)
+        if self.recipe == "multi30k-bt" and not self.data.synthetic:
+            raise UsageError("--recipe multi30k-bt trains on real and back-translated pairs: "
+                             "give --synthetic FOLDER (made by `python -m keras_transformer."
+                             "back_translate`: docs/back_translation.md)")
         if self.output.overwrite and self.output.resume:
             raise UsageError("--overwrite and --resume contradict each other")
         return self.model.transformer(self.data.vocab_size)
