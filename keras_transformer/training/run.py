@@ -46,6 +46,7 @@ from keras_transformer.run_directory import run_record
 from keras_transformer.serving.saved_model import export_saved_model
 from keras_transformer.training import backup, fine_tuning, fit_jax, run_data
 from keras_transformer.training.config import DEFAULT_MAX_STEPS, EvaluationConfig, TrainConfig
+from keras_transformer.training.convergence import convergence_report, read_validation_losses
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
 from keras_transformer.training.keras_backend import check_backend, finishing_command
@@ -341,6 +342,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                 else Path("saved_models") / Path(config.output.out).name)
         results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=beam,
                                                    alpha=alpha))
+    results["convergence"] = convergence_report(read_validation_losses(
+        run / run_directory.LOG_DIR / "metrics.csv"))
     if config.model.init_from:
         results["fine_tuning"] = _before_and_after(config, record, corpora, model, tokenizer,
                                                    results, beam, alpha)
@@ -392,6 +395,8 @@ def summarize(run: Path, results: dict[str, Any]) -> None:
         _LOG.info(f"validation loss (Keras metric, batch means averaged): best "
             f"{results['best_val_loss']:.4f} at step {results['best_step']}")
     _LOG.info(f"model.keras holds {results['averaging']['reason']}")
+    if results.get("convergence"):
+        _LOG.info(results["convergence"]["message"])
     if results.get("decoding"):
         _LOG.info(f"decoding: {describe_decoding(results['decoding'])}")
     if results.get("bleu") is not None:

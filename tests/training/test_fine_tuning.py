@@ -79,6 +79,8 @@ def test_fine_tuning_starts_from_the_run_and_scores_both_domains_before_and_afte
     assert tuning["test"]["bleu_after"] == results["bleu"]
     # The optimizer was fresh: the run counts its own 4 steps, not 8 + 4.
     assert results["steps"] == 4
+    # One validation (at step 4): too few to judge convergence, and results.json says so.
+    assert results["convergence"]["verdict"] == "unknown"
     recorded = json.loads((out / "config.json").read_text())
     assert recorded["identity"]["init_from"] == str(old_out)
     # Prepared data of another vocabulary are refused for a fine-tuning run.
