@@ -85,6 +85,7 @@ _EXPORTS = {
     "translate_texts": "keras_transformer.decoding.translator",
     "translate_batch": "keras_transformer.decoding.translator",
     "force_decode": "keras_transformer.decoding.translator",
+    "back_translate": "keras_transformer.decoding.back_translation",
     "Translation": "keras_transformer.decoding.results",
     "Hypothesis": "keras_transformer.decoding.results",
     "word_alignment": "keras_transformer.decoding.alignment",

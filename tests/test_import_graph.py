@@ -14,7 +14,8 @@ from tests.cli.test_train import REPO
 # The `python -m keras_transformer.<command>` tools and the flag generator they share: the
 # only modules that may parse a command line.
 COMMAND_LINE = {f"keras_transformer.{name}" for name in (
-    "train", "prepare", "translate", "evaluate", "export", "averaging", "flags", "force_decode")}
+    "train", "prepare", "translate", "evaluate", "export", "averaging", "flags", "force_decode",
+    "back_translate")}
 
 PACKAGES = ("keras_transformer", "pipelines")
 
