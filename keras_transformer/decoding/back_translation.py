@@ -41,7 +41,8 @@ files are cut back to the sizes `progress.json` recorded (a kill between the app
 record leaves extra bytes), and decoding goes on from the recorded line. Each line's output
 depends only on the model, the options, the line and (sampling) the seed with the line's
 number in the file, so an interrupted and resumed run writes the same bytes as one
-uninterrupted run. A folder already complete is left alone.
+uninterrupted run. A folder already complete is left alone. The folder's files and these
+checks are `decoding.synthetic_corpus`'s.
 
 Empty monolingual lines are skipped and lines whose translation is empty dropped, both
 counted; no empty pair is ever written. `cleanup` handles monolingual text written unlike
@@ -54,14 +55,10 @@ line is the normalized one).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import itertools
-import json
 import os
-import platform
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,17 +73,29 @@ from keras_transformer.decoding.search import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
 )
+from keras_transformer.decoding.synthetic_corpus import (
+    FORMAT,
+    PROGRESS_FILE,
+    BackTranslationError,
+    LineCounts,
+    append_pairs,
+    check_folder,
+    code_version,
+    cut_back,
+    file_sha256,
+    input_record,
+    open_folder,
+    read_provenance,
+    utc_now,
+    write_provenance,
+)
 from keras_transformer.decoding.translator import DEFAULT_BATCH_TOKENS, translate_batch
 from keras_transformer.errors import UsageError
 from pipelines import storage
 from pipelines.textfiles import CorpusError, iter_text_lines
 
-__all__ = ["CLEANUPS", "PROGRESS_FILE", "PROVENANCE_FILE", "BackTranslationError",
-           "back_translate", "clean_monolingual_line"]
+__all__ = ["CLEANUPS", "BackTranslationError", "back_translate", "clean_monolingual_line"]
 
-PROVENANCE_FILE = "provenance.json"
-PROGRESS_FILE = "progress.json"
-FORMAT = 1
 CLEANUPS = ("none", "filter", "normalize")
 DEFAULT_CHUNK_LINES = 2000
 # Greedy decoding of short lines ran faster in larger batches than translate's 64 (111-174
@@ -96,32 +105,8 @@ DEFAULT_BATCH_SIZE = 256
 FINAL_PUNCTUATION = frozenset('.!?…"\')”“»«’')
 # The language codes `pipelines.textfiles.find_parallel_files` recognizes in file names.
 _LANGUAGE = re.compile(r"^[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})?$")
-_HASH_BLOCK = 8 << 20
 
 Progress = Callable[[int, int], None]
-
-
-class BackTranslationError(UsageError):
-    """The output folder, the model or the options cannot be used as asked: one line saying
-    what and how to fix it."""
-
-
-@dataclasses.dataclass
-class _Counts:
-    """What happened to the lines read (cumulative over resumed sessions)."""
-
-    lines_read: int = 0
-    pairs_written: int = 0
-    empty_lines: int = 0                 # skipped: nothing to translate
-    cleanup_dropped: int = 0             # "filter": lines dropped (either reason or both)
-    lowercase_start: int = 0             # lines starting in lower case (dropped or fixed)
-    no_final_punctuation: int = 0        # lines without final punctuation (dropped or fixed)
-    cleanup_changed: int = 0             # "normalize": lines changed
-    empty_translations: int = 0          # dropped: the translation was empty
-    lines_translated: int = 0
-    output_tokens: int = 0               # subword tokens the reverse model produced (no EOS)
-    decode_seconds: float = 0.0
-    flags: dict[str, int] = dataclasses.field(default_factory=dict)  # translate_batch's
 
 
 def clean_monolingual_line(line: str, cleanup: str) -> tuple[str | None, list[str]]:
@@ -221,7 +206,7 @@ def back_translate(
         ValueError: invalid options.
         StorageError: the disk is full or failing (what was written stays; run it again).
     """
-    started = _now()
+    started = utc_now()
     options = _check_options(
         src_lang=src_lang, tgt_lang=tgt_lang, beam_size=beam_size, alpha=alpha,
         sampling_topk=sampling_topk, sampling_topp=sampling_topp,
@@ -233,47 +218,45 @@ def back_translate(
     if max_lines is not None and max_lines < 0:
         raise ValueError(f"max_lines must be >= 0, got {max_lines}.")
     out = Path(out_dir)
-    input_record = _input_record(Path(input_path))
+    monolingual = input_record(Path(input_path))
     fixed = {"format": FORMAT, "src_lang": src_lang, "tgt_lang": tgt_lang,
              "direction": {
                  "forward_model": f"{src_lang}→{tgt_lang}",
                  "reverse_model": f"{tgt_lang}→{src_lang}",
                  f"train.{src_lang}": "synthetic: the reverse model's translations",
                  f"train.{tgt_lang}": "genuine: the monolingual lines (after cleanup)"},
-             "model": None, "input": input_record, "decoding": options,
+             "model": None, "input": monolingual, "decoding": options,
              "seed": options["seed"], "cleanup": cleanup}
-    _check_folder(out, fixed)  # before loading the model: other options fail at once
+    check_folder(out, fixed)  # before loading the model: other options fail at once
     model, tokenizer, fixed["model"] = _reverse_model(model, tokenizer, src_lang, tgt_lang)
-    state = _open_folder(out, fixed, started)
+    state = open_folder(out, fixed, started)
     files = {side: out / f"train.{lang}"
              for side, lang in (("src", src_lang), ("tgt", tgt_lang))}
-    _cut_back(files, state["bytes"], out)
-    counts = _Counts(**state["counts"])
-    total = input_record["lines"] if max_lines is None else min(max_lines,
-                                                                input_record["lines"])
+    cut_back(files, state["bytes"], out)
+    counts = LineCounts(**state["counts"])
+    total = monolingual["lines"] if max_lines is None else min(max_lines, monolingual["lines"])
     session = {"started": started, "from_line": state["lines_done"],
-               "code_version": _code_version(), "chunk_lines": chunk_lines,
+               "code_version": code_version(), "chunk_lines": chunk_lines,
                "batch_size": batch_size, "batch_tokens": batch_tokens, "max_lines": max_lines}
-    if state["lines_done"] >= input_record["lines"]:
+    if state["lines_done"] >= monolingual["lines"]:
         session["action"] = "already complete"
     elif state["lines_done"] >= total:
         session["action"] = f"nothing to do: {state['lines_done']} lines done (max_lines)"
     else:
         session["action"] = "resumed" if state["lines_done"] else "started"
     if session["action"] not in ("started", "resumed"):
-        return {**_read_json(out / PROVENANCE_FILE), "session": {**session,
-                                                                 "lines_translated": 0}}
+        return {**read_provenance(out), "session": {**session, "lines_translated": 0}}
     state["sessions"].append(session)
     decode = {**options, "batch_size": batch_size, "batch_tokens": batch_tokens}
     _translate_lines(model, tokenizer, out, files, state, fixed, counts, decode, total,
                      chunk_lines, progress)
-    record = _write_provenance(out, state, fixed, counts)
+    record = write_provenance(out, state, fixed, counts)
     return {**record, "session": {**session, "lines_translated": (
         state["lines_done"] - session["from_line"])}}
 
 
 def _translate_lines(model, tokenizer, out: Path, files: dict[str, Path], state: dict,
-                     fixed: dict, counts: _Counts, decode: dict, total: int,
+                     fixed: dict, counts: LineCounts, decode: dict, total: int,
                      chunk_lines: int, progress: Progress | None) -> None:
     """Translates the input from line `state["lines_done"]` to `total`, chunk by chunk: each
     chunk appended to `files` (fsynced), then recorded in progress.json (atomically)."""
@@ -290,12 +273,12 @@ def _translate_lines(model, tokenizer, out: Path, files: dict[str, Path], state:
                                            "it was changed while being read.")
             pairs = _translate_chunk(model, tokenizer, chunk, first, fixed["cleanup"], decode,
                                      counts, progress, total)
-            _append(files, pairs, state["bytes"])
+            append_pairs(files, pairs, state["bytes"])
             state["lines_done"] = first + len(chunk)
-            session.update(to_line=state["lines_done"], finished=_now())
+            session.update(to_line=state["lines_done"], finished=utc_now())
             state["counts"] = dataclasses.asdict(counts)
             storage.write_json(out / PROGRESS_FILE, state)
-            _write_provenance(out, state, fixed, counts)
+            write_provenance(out, state, fixed, counts)
             if progress is not None:
                 progress(state["lines_done"], total)
     except CorpusError as error:  # the file was read whole at the start: it changed since
@@ -368,7 +351,7 @@ def _reverse_model(model, tokenizer, src_lang: str, tgt_lang: str):
         model_file = path / run_directory.MODEL_FILE
         record.update(path=str(path.resolve()), kind="run directory",
                       trained_direction=None if trained is None else "→".join(trained),
-                      model_file={"sha256": _file_sha256(model_file),
+                      model_file={"sha256": file_sha256(model_file),
                                   "bytes": model_file.stat().st_size})
     elif tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer (tokenizer=...); or pass the run "
@@ -395,125 +378,8 @@ def _trained_direction(path: Path) -> tuple[str, str] | None:
     return str(identity["src"]), str(identity["tgt"])
 
 
-def _input_record(path: Path) -> dict[str, Any]:
-    """The input's path, size, sha256 and line count (one validating pass: invalid UTF-8 or
-    a broken gzip is reported before anything is translated)."""
-    if not path.is_file():
-        raise BackTranslationError(f"{path}: no such file (the monolingual text, one sentence "
-                                   "per line, UTF-8, plain or .gz).")
-    try:
-        count = sum(1 for _ in iter_text_lines(path))
-    except CorpusError as error:
-        raise BackTranslationError(str(error)) from None
-    fingerprint = {"sha256": _file_sha256(path), "bytes": path.stat().st_size}
-    return {"path": str(path.resolve()), "lines": count, "fingerprint": fingerprint}
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _identity(record: dict) -> dict[str, Any]:
-    """What fixes a folder's content, from its provenance: a resume must match it (not the
-    paths: a moved model or input file is the same one)."""
-    return {"format": record.get("format"), "src_lang": record.get("src_lang"),
-            "tgt_lang": record.get("tgt_lang"), "cleanup": record.get("cleanup"),
-            "model": (record.get("model") or {}).get("fingerprint"),
-            "input": (record.get("input") or {}).get("fingerprint"),
-            "decoding": record.get("decoding")}
-
-
-def _check_folder(out: Path, fixed: dict) -> None:
-    """Refuses a file, a folder that is not a back-translation folder, or one made with other
-    options (`_identity`; the model is compared when `fixed` has it)."""
-    if out.exists() and not out.is_dir():
-        raise BackTranslationError(f"{out} exists and is not a folder: pass another --out.")
-    provenance_path = out / PROVENANCE_FILE
-    if not provenance_path.is_file():
-        if out.is_dir() and any(not p.name.startswith(".tmp-") for p in out.iterdir()):
-            raise BackTranslationError(
-                f"{out} is a non-empty folder without {PROVENANCE_FILE}: not a "
-                "back-translation folder; pass a new or empty --out.")
-        return
-    recorded, wanted = _identity(_read_json(provenance_path)), _identity(
-        json.loads(json.dumps(fixed)))
-    if wanted["model"] is None:
-        recorded["model"] = None
-    differences = _differences(recorded, wanted)
-    if differences:
-        raise BackTranslationError(
-            f"{out} was made with other options ({'; '.join(differences)}): run the same "
-            "command as before to resume it, or pass a new --out for these options.")
-
-
-def _open_folder(out: Path, fixed: dict, started: str) -> dict[str, Any]:
-    """The progress state of `out`: a new folder's (its provenance written first), or the
-    recorded one after checking that it was made with the same `_identity`."""
-    _check_folder(out, fixed)
-    if not (out / PROVENANCE_FILE).is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        storage.write_json(out / PROVENANCE_FILE, {**fixed, "complete": False,
-                                                   "started": started})
-        return _new_state()
-    storage.remove_stale_temporaries(out)
-    progress_path = out / PROGRESS_FILE
-    return _read_json(progress_path) if progress_path.is_file() else _new_state()
-
-
-def _new_state() -> dict[str, Any]:
-    return {"format": FORMAT, "lines_done": 0, "bytes": {}, "sessions": [],
-            "counts": dataclasses.asdict(_Counts())}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return run_directory.read_json(path)
-    except run_directory.DamagedFileError as error:
-        raise BackTranslationError(f"{error} (or start again with a new --out)") from None
-
-
-def _differences(recorded: Any, wanted: Any, where: str = "") -> list[str]:
-    """'key: recorded X, now Y' for each value that differs (nested keys joined by dots)."""
-    if isinstance(recorded, dict) and isinstance(wanted, dict):
-        return [difference for key in sorted(set(recorded) | set(wanted))
-                for difference in _differences(recorded.get(key), wanted.get(key),
-                                               f"{where}.{key}" if where else key)]
-    if recorded == wanted:
-        return []
-    return [f"{where or 'options'}: recorded {recorded!r}, now {wanted!r}"]
-
-
-def _cut_back(files: dict[str, Path], sizes: dict[str, int], out: Path) -> None:
-    """Creates the files, or cuts them to the recorded sizes (bytes a killed run appended
-    after its last progress record)."""
-    for path in files.values():
-        size = sizes.get(path.name, 0)
-        if not path.exists():
-            if size:
-                raise BackTranslationError(
-                    f"{path} is missing but {out / PROGRESS_FILE} records {size} bytes of it: "
-                    "the folder was changed; start again with a new --out.")
-            with storage.errors_about(path):
-                path.touch()
-            continue
-        actual = path.stat().st_size
-        if actual < size:
-            raise BackTranslationError(
-                f"{path} has {actual} bytes, {out / PROGRESS_FILE} records {size}: the file "
-                "was cut or changed; start again with a new --out.")
-        if actual > size:
-            with storage.errors_about(path):
-                os.truncate(path, size)
-                storage.sync_file(path)
-        sizes[path.name] = size
-
-
 def _translate_chunk(model, tokenizer, chunk: list[str], first: int, cleanup: str,
-                     decode: dict, counts: _Counts, progress: Progress | None,
+                     decode: dict, counts: LineCounts, progress: Progress | None,
                      total: int) -> list[tuple[str, str]]:
     """(synthetic source, monolingual line) pairs of one chunk, in order; `counts` updated."""
     texts, numbers = [], []
@@ -561,81 +427,3 @@ def _translate_chunk(model, tokenizer, chunk: list[str], first: int, cleanup: st
         pairs.append((translation, text))
     counts.pairs_written += len(pairs)
     return pairs
-
-
-def _append(files: dict[str, Path], pairs: list[tuple[str, str]], sizes: dict[str, int]):
-    """Appends one line per pair to each file, flushed and fsynced; records the new sizes."""
-    for side, path in enumerate(files.values()):  # src (synthetic), then tgt (genuine)
-        data = "".join(pair[side] + "\n" for pair in pairs).encode("utf-8")
-        with storage.errors_about(path, len(data)):
-            with open(path, "ab") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        sizes[path.name] = sizes.get(path.name, 0) + len(data)
-
-
-def _write_provenance(out: Path, state: dict, fixed: dict, counts: _Counts) -> dict:
-    """provenance.json: what made the folder, and the progress so far (atomically)."""
-    sessions = state["sessions"]
-    seconds = counts.decode_seconds
-    record = {
-        **fixed,
-        "complete": state["lines_done"] >= fixed["input"]["lines"],
-        "lines_done": state["lines_done"],
-        "counts": dataclasses.asdict(counts),
-        "throughput": {
-            "lines_per_second": round(counts.lines_translated / seconds, 2) if seconds else None,
-            "output_tokens_per_second": (round(counts.output_tokens / seconds, 1)
-                                         if seconds else None),
-            "decode_seconds": round(seconds, 3),
-            "machine": _machine(),
-        },
-        "started": _read_json(out / PROVENANCE_FILE).get("started"),
-        "finished": sessions[-1]["finished"],
-        "code_version": sessions[-1]["code_version"],
-        "sessions": sessions,
-    }
-    storage.write_json(out / PROVENANCE_FILE, record)
-    return record
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _code_version() -> dict[str, Any]:
-    """The package version and, from a git checkout, its commit and whether it was edited."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("keras-transformer")
-    except metadata.PackageNotFoundError:
-        version = None
-    record: dict[str, Any] = {"package": version, "git_commit": None, "git_dirty": None}
-    root = Path(__file__).resolve().parents[2]
-    if (root / ".git").exists():
-        try:
-            commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
-                                    capture_output=True, text=True, timeout=10)
-            status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                     "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return record
-        if commit.returncode == 0:
-            record["git_commit"] = commit.stdout.strip()
-            record["git_dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
-    return record
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
-

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from keras_transformer import run_directory
 from keras_transformer.cluster.workers import wait_for_all
+from keras_transformer.decoding.synthetic_corpus import PROVENANCE_FILE
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import DataConfig, TrainConfig, comma_separated
 from keras_transformer.training.fine_tuning import (
@@ -37,7 +38,7 @@ from pipelines.prepared import (
 from pipelines.tokenizer import SubwordTokenizer
 
 # What `keras_transformer.back_translate` writes beside a synthetic corpus.
-SYNTHETIC_PROVENANCE = "provenance.json"
+SYNTHETIC_PROVENANCE = PROVENANCE_FILE
 # How long a non-chief worker waits for the chief to prepare the training data.
 PREPARE_WAIT_SECONDS = 3 * 3600
 

@@ -16,12 +16,11 @@ import pytest
 from keras_transformer import run_directory
 from keras_transformer.decoding import back_translation
 from keras_transformer.decoding.back_translation import (
-    PROGRESS_FILE,
-    PROVENANCE_FILE,
     BackTranslationError,
     back_translate,
     clean_monolingual_line,
 )
+from keras_transformer.decoding.synthetic_corpus import PROGRESS_FILE, PROVENANCE_FILE
 from keras_transformer.decoding.translator import translate_batch
 from pipelines.corpora import open_corpus
 from tests.serving.test_saved_model import (
