@@ -90,8 +90,13 @@ def _evaluate(argv: Sequence[str] | None) -> int:
         print(f"evaluate: error: {error}", file=sys.stderr)
         return 1
     bar = ProgressBar(len(sources))
-    hypotheses = translator.translate(sources, beam_size=args.beam, alpha=args.alpha,
-                                      batch_size=args.batch_size, progress=bar.update)
+    try:
+        hypotheses = translator.translate(sources, beam_size=args.beam, alpha=args.alpha,
+                                          batch_size=args.batch_size, progress=bar.update)
+    except UsageError as error:  # what a SavedModel's export fixes, e.g. its highest beam
+        bar.close()
+        print(f"evaluate: error: {error}", file=sys.stderr)
+        return 1
     bar.close()
     if args.output:
         storage.write_text(args.output, "".join(line + "\n" for line in hypotheses))

@@ -16,7 +16,8 @@ n-best list, token log-probs and alignment when asked. Lines that were split, tr
 cut at the output limit are flagged (in JSONL) and counted on stderr (text).
 Sampling (`--sampling-topk 0` or k > 1, `--sampling-topp`, `--sampling-temperature`,
 `--seed`), forced prefixes (`--prefix FILE`, one per input line), token scores and alignments
-need a run directory; a SavedModel gives beam search strings and scores.
+work with a run directory and with a SavedModel (its signatures, the same results; what its
+export fixes, e.g. a higher --max-input-tokens, an n-best list with a prefix, is an error).
 `--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps for each line
 (run directories only).
 
@@ -46,6 +47,7 @@ from keras_transformer.decoding.search import (
     DEFAULT_MAX_INPUT_TOKENS,
 )
 from keras_transformer.decoding.translator import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS
+from keras_transformer.errors import UsageError
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.progress import ProgressBar
 from keras_transformer.serving.translator import ModelError, Translator, load_translator
@@ -85,14 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     outputs.add_argument("--alignment", action="store_true",
                          help="source-target word alignment (Pharaoh i-j)")
     limits = parser.add_argument_group("lengths and batches")
-    limits.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS,
-                        help="subword tokens (EOS included) decoded at once")
+    limits.add_argument("--max-input-tokens", type=int, default=None,
+                        help="subword tokens (EOS included) decoded at once (default: "
+                             f"{DEFAULT_MAX_INPUT_TOKENS}; a SavedModel's own limit)")
     limits.add_argument("--long-inputs", choices=LONG_INPUT_MODES, default="split",
                         help="a line over --max-input-tokens: split into sentences, "
                              "truncated (flagged), or an error")
     limits.add_argument("--max-output-tokens", type=int, default=None,
                         help="output tokens at most (default: --max-input-tokens + "
-                             f"{DEFAULT_EXTRA_LENGTH})")
+                             f"{DEFAULT_EXTRA_LENGTH}; a SavedModel's: + its extra length)")
     limits.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                         help="sentences per batch")
     limits.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
@@ -122,19 +125,26 @@ def _check(parser, args) -> None:
     if args.sampling_topk == 1 and (args.sampling_topp != 1 or args.sampling_temperature != 1):
         parser.error("--sampling-topp and --sampling-temperature need --sampling-topk 0 "
                      "(the whole vocabulary) or K > 1")
-    if args.max_input_tokens < 2 or (args.max_output_tokens is not None
-                                     and args.max_output_tokens < 1):
+    if (args.max_input_tokens is not None and args.max_input_tokens < 2) or (
+            args.max_output_tokens is not None and args.max_output_tokens < 1):
         parser.error("--max-input-tokens must be >= 2, --max-output-tokens >= 1")
     if args.token_scores and args.format != "jsonl":
         parser.error("--token-scores needs --format jsonl")
 
 
-def _needs_run_directory(args) -> bool:
-    """Whether the options go beyond a SavedModel's `translate` (strings, one per line)."""
+def _needs_details(args) -> bool:
+    """Whether the options go beyond the best strings of a search (a SavedModel gives those
+    faster: `Translator.translate_saved_model`)."""
     return (args.format == "jsonl" or args.n_best > 1 or args.sampling_topk != 1
-            or args.prefix is not None or args.token_scores or args.alignment
-            or args.long_inputs != "split" or args.max_input_tokens != DEFAULT_MAX_INPUT_TOKENS
-            or args.max_output_tokens is not None)
+            or args.prefix is not None or args.token_scores or args.alignment)
+
+
+def _limits(args) -> dict:
+    """The length options given (a run directory's defaults, or a SavedModel's)."""
+    limits = {"long_inputs": args.long_inputs, "max_output_tokens": args.max_output_tokens}
+    if args.max_input_tokens is not None:
+        limits["max_input_tokens"] = args.max_input_tokens
+    return limits
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,26 +170,24 @@ def _translate(argv: Sequence[str] | None) -> int:
             raise ModelError("--plot-attention needs a run directory (the Keras model); a "
                              "SavedModel does not expose attention weights.")
         bar = ProgressBar(len(lines), enabled=args.input is not None)
-        if translator.saved_model is not None and not _needs_run_directory(args):
+        if translator.saved_model is not None and not _needs_details(args):
             results = None
-            translations, truncated = translator.translate_saved_model(
-                lines, args.beam, args.alpha, args.batch_size, progress=bar.update)
+            translations, flags = translator.translate_saved_model(
+                lines, beam_size=args.beam, alpha=args.alpha, batch_size=args.batch_size,
+                batch_tokens=args.batch_tokens, progress=bar.update, **_limits(args))
         else:
             results = _translate_batch(translator, lines, prefixes, args, bar)
         bar.close()
-    except (ModelError, LineError, InputTooLong) as error:
+    except (ModelError, LineError, InputTooLong, UsageError) as error:
         print(f"translate: error: {error}", file=sys.stderr)
         return 1
     if results is None:
         write_lines([single_line(text) for text in translations], args.output)
-        if truncated:
-            _report(len(truncated), "truncated", "longer than the SavedModel's max_input_tokens: "
-                    "only its first tokens were translated; a run directory splits long "
-                    "lines into sentences", [line + 1 for line in truncated])
+        _report_flags(flags, args)
     else:
         write_lines(_formatted(results, args), args.output)
         if args.format == "text":
-            _report_flags(results)
+            _report_flags([result.flags for result in results], args)
     if args.plot_attention:
         try:
             for number, line in enumerate(lines, start=1):
@@ -198,9 +206,8 @@ def _translate_batch(translator: Translator, lines, prefixes, args, bar) -> list
         sampling_topk=args.sampling_topk, sampling_topp=args.sampling_topp,
         sampling_temperature=args.sampling_temperature, seed=args.seed,
         target_prefix=prefixes, return_token_scores=args.token_scores,
-        return_alignment=args.alignment, max_input_tokens=args.max_input_tokens,
-        max_output_tokens=args.max_output_tokens, long_inputs=args.long_inputs,
-        batch_size=args.batch_size, batch_tokens=args.batch_tokens, progress=bar.update)
+        return_alignment=args.alignment, batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens, progress=bar.update, **_limits(args))
 
 
 def _formatted(results: list[Translation], args) -> list[str]:
@@ -221,12 +228,14 @@ def _formatted(results: list[Translation], args) -> list[str]:
     return out
 
 
-def _report_flags(results: list[Translation]) -> None:
-    """One stderr line per flag that some lines carry (text output has no room for them)."""
+def _report_flags(flags: list[list[str]], args) -> None:
+    """One stderr line per flag that some lines carry (text output has no room for them);
+    "retokenized" only with --alignment (the only text output made from the pieces)."""
+    quiet = {"empty_input"} | (set() if args.alignment else {"retokenized"})
     for flag, meaning in FLAGS.items():
-        lines = [number for number, result in enumerate(results, start=1)
-                 if flag in result.flags]
-        if lines and flag != "empty_input":
+        lines = [number for number, line_flags in enumerate(flags, start=1)
+                 if flag in line_flags]
+        if lines and flag not in quiet:
             _report(len(lines), flag, meaning, lines)
 
 

@@ -35,6 +35,9 @@ FLAGS = {
     "length_limit": "the best output reached the output length limit without EOS",
     "target_truncated": "forced decoding: the given target was longer than max_output_tokens "
                         "and only its first tokens were scored",
+    "retokenized": "a SavedModel's sampled or prefixed output, tokenized again, is not the "
+                   "pieces the search produced: pieces, token log-probs and alignment are of "
+                   "the text tokenized again (text, score and log_prob are the search's)",
 }
 
 

@@ -40,8 +40,8 @@ from keras_transformer.decoding.search import (
     encode_texts,
 )
 
-__all__ = ["DecodingOptions", "force_decode", "length_batches", "translate_batch",
-           "translate_texts"]
+__all__ = ["DecodingOptions", "decoding_options", "force_decode", "length_batches",
+           "translate_batch", "translate_texts"]
 
 Progress = Callable[[int], None]
 DEFAULT_BATCH_SIZE = 64
@@ -126,6 +126,36 @@ def translate_batch(
     Raises:
         InputTooLong: a line over max_input_tokens with long_inputs "error".
     """
+    options = decoding_options(
+        texts, beam_size=beam_size, alpha=alpha, num_hypotheses=num_hypotheses,
+        sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+        sampling_temperature=sampling_temperature, seed=seed, target_prefix=target_prefix,
+        return_token_scores=return_token_scores, return_alignment=return_alignment,
+        return_attention=return_attention, alignment_layer=alignment_layer,
+        max_input_tokens=max_input_tokens, max_output_tokens=max_output_tokens,
+        extra_length=extra_length, batch_size=batch_size, batch_tokens=batch_tokens,
+        jit_compile=jit_compile)
+    lines = clean_lines(texts)
+    line_indices = list(range(len(lines)) if line_indices is None else line_indices)
+    segments, flags = segment_lines(lines, lambda items: count_tokens(tokenizer, items),
+                                    max_input_tokens, long_inputs)
+    decoded = BatchDecoder(model, tokenizer, options, target_prefix, line_indices).run(
+        segments, max_input_tokens, batch_size, batch_tokens, progress, len(lines))
+    return [line_translation(decoded.get(line, []), flags[line], options.alpha,
+                             options.return_token_scores, options.return_alignment)
+            for line in range(len(lines))]
+
+
+def decoding_options(
+    texts: Sequence, *, beam_size: int, alpha: float, num_hypotheses: int, sampling_topk: int,
+    sampling_topp: float, sampling_temperature: float, seed: int,
+    target_prefix: Sequence | None, return_token_scores: bool, return_alignment: bool,
+    return_attention: bool, alignment_layer: int, max_input_tokens: int,
+    max_output_tokens: int | None, extra_length: int, batch_size: int, batch_tokens: int,
+    jit_compile: bool,
+) -> DecodingOptions:
+    """`translate_batch`'s arguments checked and gathered: one set of checks, and one set of
+    `ValueError`s, for every engine that takes them (`serving.saved_model_translation`)."""
     options = DecodingOptions(
         beam_size=beam_size, alpha=alpha, num_hypotheses=num_hypotheses,
         sampling=_sampling(sampling_topk, sampling_topp, sampling_temperature, seed),
@@ -139,15 +169,7 @@ def translate_batch(
         raise ValueError("batch_size and batch_tokens must be >= 1, max_input_tokens >= 2.")
     if target_prefix is not None and len(target_prefix) != len(texts):
         raise ValueError(f"{len(target_prefix)} target prefixes for {len(texts)} lines.")
-    lines = clean_lines(texts)
-    line_indices = list(range(len(lines)) if line_indices is None else line_indices)
-    segments, flags = segment_lines(lines, lambda items: count_tokens(tokenizer, items),
-                                    max_input_tokens, long_inputs)
-    decoded = BatchDecoder(model, tokenizer, options, target_prefix, line_indices).run(
-        segments, max_input_tokens, batch_size, batch_tokens, progress, len(lines))
-    return [line_translation(decoded.get(line, []), flags[line], options.alpha,
-                             options.return_token_scores, options.return_alignment)
-            for line in range(len(lines))]
+    return options
 
 
 def translate_texts(

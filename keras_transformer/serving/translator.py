@@ -2,10 +2,11 @@
 a SavedModel, behind one interface (the `translate` and `evaluate` commands, `kt.Translator`).
 
     Translator.load(path).translate(texts)  # best strings
-    Translator.load(run_dir).translate_batch(texts, num_hypotheses=4)  # `Translation`s
+    Translator.load(path).translate_batch(texts, num_hypotheses=4)  # `Translation`s
 
 It sits in `serving` because it loads what `serving` exports; `decoding` (which it calls for
-run directories) never imports `serving`.
+run directories) never imports `serving`. A SavedModel is translated through its signatures
+by `serving.saved_model_translation`, with the same results.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from keras_transformer import run_directory
 from keras_transformer.decoding.results import Translation
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import translate_batch, translate_texts
+from keras_transformer.serving.loaded_export import Export, open_export
 from keras_transformer.serving.saved_model import latest_version
+from keras_transformer.serving.saved_model_translation import (
+    translate_batch_with_saved_model,
+    translate_texts_with_saved_model,
+)
 
 __all__ = ["ModelError", "Translator", "load_translator"]
 
@@ -37,65 +43,49 @@ class Translator:
     def __init__(self, path: Path, model=None, tokenizer=None, saved_model=None):
         self.path = path
         self.model, self.tokenizer, self.saved_model = model, tokenizer, saved_model
+        self._export: Export | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Translator:
         """A run directory, a SavedModel or a `saved_models/<name>` folder (`load_translator`)."""
         return load_translator(path)
 
+    @property
+    def export(self) -> Export | None:
+        """A SavedModel's limits and tokenizer (`serving.loaded_export`), read on
+        first use; None for a run directory."""
+        if self.saved_model is not None and self._export is None:
+            self._export = open_export(self.path, self.saved_model)
+        return self._export
+
     def translate(self, texts: Sequence[str | bytes], beam_size: int = DEFAULT_BEAM_SIZE,
                   alpha: float = DEFAULT_ALPHA, batch_size: int = 64,
                   progress: Progress | None = None) -> list[str]:
-        """N translations of N texts, in order."""
+        """N translations of N texts, in order (long lines split into sentences)."""
         if self.saved_model is None:
             return translate_texts(self.model, self.tokenizer, texts, beam_size=beam_size,
                                    alpha=alpha, batch_size=batch_size, progress=progress)
-        return self.translate_saved_model(texts, beam_size, alpha, batch_size, progress)[0]
+        return self.translate_saved_model(texts, beam_size=beam_size, alpha=alpha,
+                                          batch_size=batch_size, progress=progress)[0]
 
     def translate_batch(self, texts: Sequence[str | bytes], **options) -> list[Translation]:
-        """`decoding.translator.translate_batch` with this run's model and tokenizer: n-best
-        lists, scores, sampling, prefixes, alignments, long inputs.
+        """`decoding.translator.translate_batch` with this model: n-best lists, scores,
+        sampling, prefixes, alignments, long inputs. A SavedModel takes the same arguments
+        and gives the same results through its signatures, except what its export fixes
+        (`serving.saved_model_translation`: a `UsageError` says what)."""
+        if self.saved_model is None:
+            return translate_batch(self.model, self.tokenizer, texts, **options)
+        return translate_batch_with_saved_model(self.export, texts, **options)
 
-        Raises:
-            ModelError: for a SavedModel (its `translate` and `translate_nbest` signatures
-                give strings and scores only).
-        """
-        if self.saved_model is not None:
-            raise ModelError(
-                f"{self.path}: a SavedModel gives strings and scores through its 'translate' "
-                "and 'translate_nbest' signatures; n-best lists with token scores, sampling, "
-                "prefixes and alignments need the run directory.")
-        return translate_batch(self.model, self.tokenizer, texts, **options)
-
-    def translate_saved_model(self, texts: Sequence[str | bytes], beam_size: int,
-                              alpha: float, batch_size: int = 64,
-                              progress: Progress | None = None) -> tuple[list[str], list[int]]:
-        """(N translations, the indices of the lines the SavedModel truncated) from a
-        SavedModel. Truncation is reported by the `translate_prefix` signature (empty
-        prefixes: the same search as `translate`); an export without it (older than the
-        signature) reports none."""
-        signatures = self.saved_model.signatures
-        flagged = "translate_prefix" in signatures
-        signature = signatures["translate_prefix" if flagged else "translate"]
-        # Similar lengths per request: the server pads each request to its longest line.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-        results, truncated = [""] * len(texts), []
-        for start in range(0, len(order), batch_size):
-            rows = order[start: start + batch_size]
-            inputs = {"inputs": tf.constant([texts[i] for i in rows], tf.string),
-                      "beam_size": tf.constant(beam_size, tf.int32),
-                      "alpha": tf.constant(alpha, tf.float32)}
-            if flagged:
-                inputs["prefixes"] = tf.constant([""] * len(rows))
-            outputs = signature(**inputs)
-            for row, text in zip(rows, outputs["outputs"].numpy(), strict=True):
-                results[row] = text.decode("utf-8", errors="replace")
-            if flagged:
-                truncated += [row for row, cut in zip(rows, outputs["truncated"].numpy(),
-                                                      strict=True) if cut]
-            if progress is not None:
-                progress(start + len(rows))
-        return results, sorted(truncated)
+    def translate_saved_model(self, texts: Sequence[str | bytes],
+                              **options) -> tuple[list[str], list[list[str]]]:
+        """(N translations, each line's flags) from a SavedModel, faster than
+        `translate_batch` (no pieces, token scores or alignments):
+        `translate_texts_with_saved_model`'s options (beam_size, alpha, long_inputs,
+        max_input_tokens, max_output_tokens, batch_size, batch_tokens, progress)."""
+        if self.saved_model is None:
+            raise ModelError(f"{self.path}: not a SavedModel.")
+        return translate_texts_with_saved_model(self.export, texts, **options)
 
 
 def _saved_model_dir(path: Path) -> Path | None:
