@@ -38,6 +38,7 @@ from keras_transformer.decoding.search import (
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
 )
+from keras_transformer.decoding.translator import decoding_options
 
 __all__ = ["force_decode_with_ctranslate2", "translate_batch_with_ctranslate2"]
 
@@ -74,11 +75,16 @@ def translate_batch_with_ctranslate2(
     """
     import ctranslate2
 
-    if num_hypotheses > beam_size:
-        raise ValueError(f"num_hypotheses={num_hypotheses} needs beam_size >= it.")
+    # The checks (and messages) of our own engine's `translate_batch`.
+    decoding_options(
+        texts, beam_size=beam_size, alpha=alpha, num_hypotheses=num_hypotheses,
+        sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+        sampling_temperature=sampling_temperature, seed=seed, target_prefix=target_prefix,
+        return_token_scores=False, return_alignment=return_alignment, return_attention=False,
+        alignment_layer=-1, max_input_tokens=max_input_tokens, max_output_tokens=None,
+        extra_length=extra_length, batch_size=max_batch_size, batch_tokens=1,
+        jit_compile=False)
     sampling = sampling_topk != 1
-    if sampling and beam_size != 1:
-        raise ValueError("sampling draws one token a step: use beam_size 1.")
     lines = [_clean(text) for text in texts]
     segments, flags = segment_lines(
         lines, lambda items: [len(processor.encode(item)) for item in items],
