@@ -3,8 +3,10 @@
 Validates the train split in one streaming pass, trains the shared SentencePiece
 vocabulary on a seeded sample, and tokenizes every pair into shards (`pipelines.prepared`),
 and the validation split (--val-split) too, for `train --backend jax` (no TensorFlow there
-to tokenize it: `pipelines.numpy_batches.validation_batches`); a corpus without the default
-validation split is prepared without one (a note says so), a --val-split given must exist.
+to tokenize it: `pipelines.numpy_batches.validation_batches`); a folder without val/test
+splits has them carved out of train as `train` carves them (--carve-pairs, --seed), a tfds
+corpus without the default validation split is prepared without one (a note says so), and a
+--val-split given must exist.
 `python -m keras_transformer.train --prepared DIR` then trains from DIR without reading the
 text again, on this machine or any other that can read DIR. An interrupted preparation
 leaves no DIR; neither does a failure, which is one line (`error: ...`) on stderr, never a
@@ -87,15 +89,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     data, args = parse_args(argv)
     # Imported after parsing: they load TensorFlow (~4 s), which `--help` and a refused flag
     # should not wait for.
-    from keras_transformer.training.run_data import open_tokenizer_data, open_training_split
+    from keras_transformer.training.run_data import (
+        carve_missing_splits,
+        open_tokenizer_data,
+        open_training_split,
+    )
     from pipelines.prepared import prepare_corpus
 
     show_project_logs()
     try:
         data.check()
-        split = open_training_split(data)
-        validation = validation_split(data, explicit=getattr(args, "val_split", None)
-                                      is not None)
+        # As train does: a folder without val/test has them carved out of train (--seed).
+        carving = carve_missing_splits(data, args.seed)
+        split = open_training_split(data, carving)
+        validation = (carving.held_out["val"] if carving and "val" in carving.held_out
+                      else validation_split(data, explicit=getattr(args, "val_split", None)
+                                            is not None))
         prepared = prepare_corpus(
             split, args.out, vocab_size=data.vocab_size, max_length=data.max_length,
             tokenizer_sample=data.tokenizer_sample, shard_pairs=data.shard_pairs,

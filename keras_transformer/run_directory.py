@@ -27,6 +27,7 @@ import keras
 
 import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
 from keras_transformer.errors import UsageError
+from pipelines import DEFAULT_CARVE_PAIRS
 
 if TYPE_CHECKING:
     from keras_transformer.training.config import TrainConfig
@@ -163,6 +164,8 @@ def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
         "validate_every": config.validate_every,
         # Recorded only when set: the identities of other runs stay as they were.
         **({"init_from": config.model.init_from} if config.model.init_from else {}),
+        **({"clean_train": True} if data.clean_train else {}),
+        **({"carve_pairs": data.carve_pairs} if data.carve_pairs != DEFAULT_CARVE_PAIRS else {}),
     }
     return {"identity": identity, "model": model, "arguments": config.flags()}
 

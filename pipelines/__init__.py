@@ -12,6 +12,8 @@
   ``tf.data`` pipeline's, from :mod:`pipelines.prepared_folder` (manifest, checks),
   :mod:`pipelines.batch_plan` (budget, buckets, orders, resume position) and
   :mod:`pipelines.philox` (TensorFlow's stateless shuffle).
+- :mod:`pipelines.carving`: val/test splits carved out of a training split (seeded,
+  deduplicated against train) and its noise dropped (:mod:`pipelines.pair_selection`).
 - :mod:`pipelines.storage`: every file written whole or not at all (temporary name, fsync,
   rename) and ``StorageError`` for a full or failing disk; used by ``keras_transformer`` too.
 - :mod:`pipelines.constants`: the special token ids.
@@ -23,3 +25,4 @@ Data flows one way: nothing here imports ``keras_transformer``.
 # without importing TensorFlow.
 DEFAULT_TOKENIZER_SAMPLE = 500_000  # pairs: 1M sentences, what SentencePiece handles well
 DEFAULT_SHARD_PAIRS = 100_000
+DEFAULT_CARVE_PAIRS = 1000  # pairs carved for val and for test (pipelines.carving)

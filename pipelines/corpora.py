@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from pipelines import tfds_corpora
 from pipelines.batch_plan import log_dropped  # numpy alone; re-exported
+from pipelines.pair_selection import TrainSelection
 from pipelines.textfiles import CorpusError, find_parallel_files, iter_aligned, iter_text_lines
 
 __all__ = [
@@ -92,7 +93,9 @@ class CorpusSplit:
     Made by :func:`open_corpus`. ``files`` holds the source and target file of a local
     split; ``tfds`` the tensorflow-datasets reader of a tfds split; ``parts`` the splits of
     each source language of a many-to-one split (``src_lang`` ``"de,fr,cs"``), read one
-    after the other.
+    after the other. ``selection`` (:mod:`pipelines.pair_selection`, made by
+    :mod:`pipelines.carving`) keeps only its training pairs: not carved out for val/test,
+    and not noise if it cleans.
     """
 
     origin: str
@@ -104,6 +107,7 @@ class CorpusSplit:
     parts: tuple[CorpusSplit, ...] = ()
     repeat: int = 1
     source_tag: str = ""
+    selection: TrainSelection | None = None
 
     def pairs(self) -> Iterator[tuple[str, str]]:
         """Validated ``(source, target)`` pairs in corpus order, streamed.
@@ -127,6 +131,12 @@ class CorpusSplit:
         return sorted(tags - {""})
 
     def _pairs_once(self) -> Iterator[tuple[str, str]]:
+        if self.selection is None:
+            yield from self._read()
+        else:
+            yield from self.selection.pairs(self._read())
+
+    def _read(self) -> Iterator[tuple[str, str]]:
         if self.parts:
             for part in self.parts:
                 yield from part.pairs()
@@ -162,6 +172,7 @@ class CorpusSplit:
         # Recorded only when set: the identities of plain splits stay as they were.
         base.update({"repeat": self.repeat} if self.repeat != 1 else {})
         base.update({"source_tag": self.source_tag} if self.source_tag else {})
+        base.update({"selection": self.selection.identity()} if self.selection else {})
         if self.parts:
             parts = [part.identity() for part in self.parts]
             return {**base, "parts": parts,

@@ -271,7 +271,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     Args:
         config: the run's settings.
         record: what the run's config.json holds.
-        corpora: "val" and optionally "test" `ParallelCorpus` objects.
+        corpora: "val" and optionally "test" `ParallelCorpus` objects, and "data_report"
+            when the splits were carved or the training pairs cleaned.
         outcome: what `keras_transformer.training.fit.train_model` returned.
     """
     run, evaluation = Path(config.output.out), config.evaluation
@@ -312,6 +313,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         "final_val_loss": final_val_loss,
         "averaging": {key: choice[key] for key in ("reason", "candidates")},
         **({"decoding": decoding} if decoding else {}),
+        # Only when val/test were carved out of train or its noise dropped (run_data).
+        **({"data_report": corpora["data_report"]} if "data_report" in corpora else {}),
         **{key: outcome[key] for key in ("precision", "loss_scale", "skipped_updates",
                                          "replicas", "workers", "jit_compile",
                                          "fused_kernels")},

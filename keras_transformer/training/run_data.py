@@ -20,8 +20,11 @@ from keras_transformer.training.fine_tuning import (
     InitialRun,
     check_prepared_tokenizer,
 )
+from pipelines.carving import Carving, carve_corpus
 from pipelines.corpora import (
+    TFDS_PREFIX,
     CorpusError,
+    available_splits,
     load_corpus,
     mixed_corpus,
     open_corpus,
@@ -35,6 +38,7 @@ from pipelines.prepared import (
     prepare_corpus,
     sampling_settings,
 )
+from pipelines.tfds_corpora import resolve_split
 from pipelines.tokenizer import SubwordTokenizer
 
 # What `keras_transformer.back_translate` writes beside a synthetic corpus.
@@ -48,16 +52,17 @@ if TYPE_CHECKING:
     from pipelines.prepared import PreparedCorpus
 
 
-def open_training_split(data: DataConfig) -> CorpusSplit:
-    """The run's training split: --data's, mixed with --add-data and --synthetic corpora
-    (`pipelines.corpora.mixed_corpus`) when given.
+def open_training_split(data: DataConfig, carving: Carving | None = None) -> CorpusSplit:
+    """The run's training split: --data's (what `carving` left of it, if given), mixed with
+    --add-data and --synthetic corpora (`pipelines.corpora.mixed_corpus`) when given.
 
     Raises:
         CorpusError: a corpus is missing or of other languages.
         UsageError: a synthetic folder whose back-translation has not finished.
     """
     where = dict(data_dir=data.data_dir, manual_dir=data.manual_dir)
-    real = open_corpus(data.data, data.train_split, data.src, data.tgt, **where)
+    real = (carving.train if carving is not None
+            else open_corpus(data.data, data.train_split, data.src, data.tgt, **where))
     added = [open_corpus(folder, "train", data.src, data.tgt)
              for folder in comma_separated(data.add_data, str)]
     synthetic = []
@@ -70,6 +75,47 @@ def open_training_split(data: DataConfig) -> CorpusSplit:
         synthetic.append(open_corpus(folder, "train", data.src, data.tgt))
     return mixed_corpus(real, added=added, synthetic=synthetic,
                         upsample_real=data.upsample_real, synthetic_tag=data.synthetic_tag)
+
+
+def carve_missing_splits(data: DataConfig, seed: int) -> Carving | None:
+    """--data's train split with its val and/or test pairs carved out (`pipelines.carving`)
+    when the folder lacks them, and its noise dropped with --clean-train; None when neither
+    applies (the corpus is used as it is, its identity unchanged).
+
+    Carved: the val split when --val-split is val (or validation) and the folder has none;
+    the test split when --test-split is test or none and the folder has none (carved even
+    for none, so that the training pairs do not depend on whether a run scores a test set,
+    and `prepare` and `train` agree). Only a local folder of one source language is carved,
+    with --carve-pairs above 0; elsewhere a missing split is the error it always was.
+
+    Raises:
+        UsageError: the train split is invalid or too small to carve from.
+    """
+    local = not data.data.startswith(TFDS_PREFIX) and "," not in data.src
+    missing = []
+    if local and data.carve_pairs > 0:
+        try:
+            splits = available_splits(data.data)
+            resolve_split(data.train_split, splits, data.data)
+        except CorpusError:  # no folder or no train split: reported as before
+            return None
+        wanted = [("val", data.val_split.lower() in ("val", "validation")),
+                  ("test", data.test_split.lower() in ("test", "none"))]
+        for name, carvable in wanted:
+            try:
+                resolve_split(name, splits, data.data)
+            except CorpusError:
+                if carvable:
+                    missing.append(name)
+    if not missing and not data.clean_train:
+        return None
+    try:
+        split = open_corpus(data.data, data.train_split, data.src, data.tgt,
+                            data_dir=data.data_dir, manual_dir=data.manual_dir)
+        return carve_corpus(split, missing, carve_pairs=data.carve_pairs, seed=seed,
+                            clean=data.clean_train)
+    except CorpusError as error:
+        raise UsageError(f"train data: {error}") from None
 
 
 def open_tokenizer_data(data: DataConfig) -> list[CorpusSplit]:
@@ -86,6 +132,9 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
     """The train split (opened, not read) and the val(/test) `ParallelCorpus` objects; with
     several source languages, also "test:<language>" for each one after the first.
 
+    A folder without val/test has them carved out of train, and --clean-train drops the
+    training noise (`carve_missing_splits`): then "data_report" holds the counts.
+
     `CorpusError` becomes `UsageError`, except for a train split that is absent where the
     data were prepared elsewhere (--prepared): its `UsageError` is kept as "train_error",
     raised only if the data must be prepared.
@@ -93,8 +142,11 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
     data = config.data
     where = dict(data_dir=data.data_dir, manual_dir=data.manual_dir)
     corpora: dict[str, Any] = {"train": None}
+    carving = carve_missing_splits(data, config.optimization.seed)
+    if carving is not None:
+        corpora["data_report"] = carving.report
     try:
-        corpora["train"] = open_training_split(data)
+        corpora["train"] = open_training_split(data, carving)
     except CorpusError as error:
         if not data.prepared:
             raise UsageError(f"train data: {error}") from None
@@ -107,6 +159,9 @@ def load_corpora(config: TrainConfig) -> dict[str, Any]:
         roles += [("test", data.test_split, first)] + [
             (f"test:{language}", data.test_split, language) for language in others]
     for role, split, language in roles:
+        if carving is not None and role in carving.held_out:
+            corpora[role] = carving.held_out[role]
+            continue
         try:
             corpora[role] = load_corpus(data.data, split, language, data.tgt, **where)
         except CorpusError as error:

@@ -80,13 +80,16 @@ def test_the_validation_split_to_prepare(tmp_path, capsys):
     assert status == 0 and (validation["split"], validation["pairs"]) == ("test", 20)
     status, validation, out, _ = prepare("--val-split", "none")
     assert status == 0 and validation is None and "\nvalidation: " not in out
-    # A --val-split given must exist; the default may be absent (a note says so).
+    # A --val-split given must exist; the default may be absent (carved, or a note).
     status, _, _, err = prepare("--val-split", "nosuch")
     assert status == 2 and err.startswith("error: val data: ") and "no split 'nosuch'" in err
     assert len(err.splitlines()) == 1
     for kind in ("xx", "yy"):
         (data / f"val.{kind}").unlink()
+    # A folder without one gets it carved out of train (pipelines.carving): 10% of 40 pairs.
     status, validation, out, _ = prepare()
+    assert status == 0 and (validation["split"], validation["pairs"]) == ("val", 4)
+    status, validation, out, _ = prepare("--carve-pairs", "0")
     assert status == 0 and validation is None
     assert "note: no validation split prepared" in out and "give --val-split" in out
     # An invalid val split is refused before anything is written.

@@ -7,7 +7,8 @@ import dataclasses
 
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config.fields import fraction, non_negative, positive, setting
-from pipelines import DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
+from pipelines import DEFAULT_CARVE_PAIRS, DEFAULT_SHARD_PAIRS, DEFAULT_TOKENIZER_SAMPLE
+from pipelines.pair_selection import MAX_LENGTH_RATIO, RATIO_MIN_CHARS
 
 
 @dataclasses.dataclass
@@ -66,6 +67,16 @@ class DataConfig:
         "this path (shared), waiting for the chief to prepare it")
     val_split: str = setting("val", "split for validation loss, best checkpoint and early "
                               "stopping")
+    carve_pairs: int = setting(
+        DEFAULT_CARVE_PAIRS, "when a --data folder has no val (or test) split: carve this many pairs "
+        "for each out of train (at most 5%% of a small corpus, at least 100 where it can), "
+        "chosen by a seeded hash of each pair's text, so every copy of a carved pair leaves "
+        "train; 0: refuse a folder without them", non_negative)
+    clean_train: bool = setting(
+        False, "drop training pairs empty on one side, length-mismatched (one side over "
+        f"{MAX_LENGTH_RATIO:g} times the characters of the other, past {RATIO_MIN_CHARS} "
+        "characters) or exact duplicates of an earlier pair; counted in the log and "
+        "results.json")
     test_split: str = setting("test", "split scored with BLEU at the end; 'none' to skip")
     test_limit: int = setting(0, "score only the first N test pairs (0 = all)", non_negative)
 
@@ -95,4 +106,4 @@ class DataConfig:
 PREPARE_FIELDS = ("data", "src", "tgt", "data_dir", "manual_dir", "train_split", "vocab_size",
                   "max_length", "tokenizer_sample", "shard_pairs", "subword_samples",
                   "subword_alpha", "add_data", "synthetic", "synthetic_tag", "upsample_real",
-                  "tokenizer_data")
+                  "tokenizer_data", "carve_pairs", "clean_train")
