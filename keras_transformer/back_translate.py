@@ -26,7 +26,6 @@ same command again); 130 interrupted (run the same command to resume).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 
@@ -43,7 +42,12 @@ from keras_transformer.decoding.search import (
     DEFAULT_MAX_INPUT_TOKENS,
 )
 from keras_transformer.decoding.translator import DEFAULT_BATCH_TOKENS
-from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
+from keras_transformer.flags import (
+    add_sampling_flags,
+    add_verbose_flag,
+    check_search_flags,
+    storage_errors_as_status,
+)
 from keras_transformer.progress import ProgressBar
 
 PROG = "back_translate"
@@ -77,15 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--beam", type=int, default=1, help="beam size (1: greedy)")
     search.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                         help="length penalty exponent (beam search)")
-    search.add_argument("--sampling-topk", type=int, default=1, metavar="K",
-                        help="1: search; 0: sample from the whole vocabulary; K > 1: from "
-                             "the K most likely tokens (with --beam 1)")
-    search.add_argument("--sampling-topp", type=float, default=1.0, metavar="P",
-                        help="nucleus sampling: the fewest tokens with probability mass P")
-    search.add_argument("--sampling-temperature", type=float, default=1.0, metavar="T",
-                        help="divides the log-probs before sampling")
-    search.add_argument("--seed", type=int, default=0,
-                        help="sampling seed; with each line's number it fixes the line's draws")
+    add_sampling_flags(search)
     limits = parser.add_argument_group("lengths, batches, chunks")
     limits.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS,
                         help="subword tokens (EOS included) decoded at once")
@@ -106,27 +102,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(parser, args) -> None:
-    finite = all(math.isfinite(value) for value in (
-        args.alpha, args.sampling_topp, args.sampling_temperature))
-    if not finite:
-        parser.error("--alpha, --sampling-topp and --sampling-temperature must be finite")
-    if min(args.beam, args.batch_size, args.batch_tokens, args.chunk_lines) < 1 or \
-            args.alpha < 0:
-        parser.error("--beam, --batch-size, --batch-tokens and --chunk-lines must be >= 1, "
-                     "--alpha >= 0")
-    if not 0 <= args.seed < 2**32:
-        parser.error("--seed must be in [0, 2**32)")
-    if args.sampling_topk != 1 and args.beam != 1:
-        parser.error("sampling (--sampling-topk other than 1) draws one token a step: --beam 1")
-    if args.sampling_topk < 0 or not 0 < args.sampling_topp <= 1 or args.sampling_temperature <= 0:
-        parser.error("--sampling-topk must be >= 0, --sampling-topp in (0, 1], "
-                     "--sampling-temperature > 0")
-    if args.sampling_topk == 1 and (args.sampling_topp != 1 or args.sampling_temperature != 1):
-        parser.error("--sampling-topp and --sampling-temperature need --sampling-topk 0 "
-                     "(the whole vocabulary) or K > 1")
-    if args.max_input_tokens < 2 or (args.max_output_tokens is not None
-                                     and args.max_output_tokens < 1):
-        parser.error("--max-input-tokens must be >= 2, --max-output-tokens >= 1")
+    check_search_flags(parser, args)
+    if args.chunk_lines < 1:
+        parser.error("--chunk-lines must be >= 1")
     if args.max_lines is not None and args.max_lines < 0:
         parser.error("--max-lines must be >= 0")
     if args.src == args.tgt:

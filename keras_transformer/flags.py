@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -109,6 +110,44 @@ def add_verbose_flag(parser) -> None:
     parser.add_argument("--verbose", action="store_true",
                         help="also show TensorFlow's own C++ logs (hidden by default, unless "
                         "you set TF_CPP_MIN_LOG_LEVEL yourself)")
+
+
+def add_sampling_flags(group) -> None:
+    """The sampling flags of `translate` and `back_translate` (`decoding.sampling`)."""
+    group.add_argument("--sampling-topk", type=int, default=1, metavar="K",
+                       help="1: search; 0: sample from the whole vocabulary; K > 1: from "
+                            "the K most likely tokens (with --beam 1)")
+    group.add_argument("--sampling-topp", type=float, default=1.0, metavar="P",
+                       help="nucleus sampling: the fewest tokens with probability mass P")
+    group.add_argument("--sampling-temperature", type=float, default=1.0, metavar="T",
+                       help="divides the log-probs before sampling")
+    group.add_argument("--seed", type=int, default=0,
+                       help="sampling seed; with each line's number it fixes the line's draws")
+
+
+def check_search_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of `translate`'s and `back_translate`'s search, sampling and length flags
+    (`--beam`, `--alpha`, `--batch-size`, `--batch-tokens`, `add_sampling_flags`',
+    `--max-input-tokens`, `--max-output-tokens`); `parser.error` at the first problem."""
+    finite = all(math.isfinite(value) for value in (
+        args.alpha, args.sampling_topp, args.sampling_temperature))
+    if not finite:
+        parser.error("--alpha, --sampling-topp and --sampling-temperature must be finite")
+    if args.beam < 1 or args.batch_size < 1 or args.batch_tokens < 1 or args.alpha < 0:
+        parser.error("--beam, --batch-size and --batch-tokens must be >= 1, --alpha >= 0")
+    if not 0 <= args.seed < 2**32:
+        parser.error("--seed must be in [0, 2**32)")
+    if args.sampling_topk != 1 and args.beam != 1:
+        parser.error("sampling (--sampling-topk other than 1) draws one token a step: --beam 1")
+    if args.sampling_topk < 0 or not 0 < args.sampling_topp <= 1 or args.sampling_temperature <= 0:
+        parser.error("--sampling-topk must be >= 0, --sampling-topp in (0, 1], "
+                     "--sampling-temperature > 0")
+    if args.sampling_topk == 1 and (args.sampling_topp != 1 or args.sampling_temperature != 1):
+        parser.error("--sampling-topp and --sampling-temperature need --sampling-topk 0 "
+                     "(the whole vocabulary) or K > 1")
+    if (args.max_input_tokens is not None and args.max_input_tokens < 2) or (
+            args.max_output_tokens is not None and args.max_output_tokens < 1):
+        parser.error("--max-input-tokens must be >= 2, --max-output-tokens >= 1")
 
 
 def build_train_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,6 @@ run the same command again.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,7 +47,12 @@ from keras_transformer.decoding.search import (
 )
 from keras_transformer.decoding.translator import DEFAULT_BATCH_SIZE, DEFAULT_BATCH_TOKENS
 from keras_transformer.errors import UsageError
-from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
+from keras_transformer.flags import (
+    add_sampling_flags,
+    add_verbose_flag,
+    check_search_flags,
+    storage_errors_as_status,
+)
 from keras_transformer.progress import ProgressBar
 from keras_transformer.serving.translator import ModelError, Translator, load_translator
 from keras_transformer.text_lines import LineError, jsonl, read_lines, single_line, write_lines
@@ -70,15 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="length penalty exponent of the score")
     search.add_argument("--n-best", type=int, default=1, metavar="N",
                         help="hypotheses per line, best first (at most --beam)")
-    search.add_argument("--sampling-topk", type=int, default=1, metavar="K",
-                        help="1: search; 0: sample from the whole vocabulary; K > 1: from "
-                             "the K most likely tokens (with --beam 1)")
-    search.add_argument("--sampling-topp", type=float, default=1.0, metavar="P",
-                        help="nucleus sampling: the fewest tokens with probability mass P")
-    search.add_argument("--sampling-temperature", type=float, default=1.0, metavar="T",
-                        help="divides the log-probs before sampling")
-    search.add_argument("--seed", type=int, default=0,
-                        help="sampling seed; with each line's number it fixes the line's draws")
+    add_sampling_flags(search)
     search.add_argument("--prefix", metavar="FILE",
                         help="one target prefix per input line (empty: none), forced")
     outputs = parser.add_argument_group("what each line reports")
@@ -107,27 +103,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(parser, args) -> None:
-    finite = all(math.isfinite(value) for value in (
-        args.alpha, args.sampling_topp, args.sampling_temperature))
-    if not finite:
-        parser.error("--alpha, --sampling-topp and --sampling-temperature must be finite")
-    if args.beam < 1 or args.batch_size < 1 or args.batch_tokens < 1 or args.alpha < 0:
-        parser.error("--beam, --batch-size and --batch-tokens must be >= 1, --alpha >= 0")
-    if not 0 <= args.seed < 2**32:
-        parser.error("--seed must be in [0, 2**32)")
+    check_search_flags(parser, args)
     if not 1 <= args.n_best <= args.beam:
         parser.error(f"--n-best must be in [1, --beam] (--beam is {args.beam})")
-    if args.sampling_topk != 1 and args.beam != 1:
-        parser.error("sampling (--sampling-topk other than 1) draws one token a step: --beam 1")
-    if args.sampling_topk < 0 or not 0 < args.sampling_topp <= 1 or args.sampling_temperature <= 0:
-        parser.error("--sampling-topk must be >= 0, --sampling-topp in (0, 1], "
-                     "--sampling-temperature > 0")
-    if args.sampling_topk == 1 and (args.sampling_topp != 1 or args.sampling_temperature != 1):
-        parser.error("--sampling-topp and --sampling-temperature need --sampling-topk 0 "
-                     "(the whole vocabulary) or K > 1")
-    if (args.max_input_tokens is not None and args.max_input_tokens < 2) or (
-            args.max_output_tokens is not None and args.max_output_tokens < 1):
-        parser.error("--max-input-tokens must be >= 2, --max-output-tokens >= 1")
     if args.token_scores and args.format != "jsonl":
         parser.error("--token-scores needs --format jsonl")
 
