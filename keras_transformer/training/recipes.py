@@ -33,20 +33,22 @@ _PAPER = {
     "alpha": 0.6,
 }
 
+# Tuned on Multi30k's val split (29k pairs overfit the paper's defaults): more dropout, a
+# short warmup at half the paper's rate, checkpoints every 100 steps for averaging, no
+# early stopping; 4,200 steps is the run behind the README's figure (60 min on our 2-core
+# CPU). --max-minutes only guards a much slower machine.
+_MULTI30K: dict[str, Any] = {
+    "preset": "small", "vocab_size": 8000, "max_length": 128, "tokens_per_batch": 4096,
+    "dropout": 0.2, "warmup_steps": 1000, "lr_scale": 0.5, "label_smoothing": 0.1,
+    "max_steps": 4200, "max_minutes": 240.0, "patience": 0, "checkpoint_every": 100,
+    "validate_every": 200, "average_last": 5, "beam": 4, "alpha": 0.6,
+    # Issue 29: the weights, beam and alpha chosen by val BLEU. (Subword regularization,
+    # --subword-samples, learns too slowly for 4,200 steps here: BENCHMARKS.md.)
+    "choose_by": "bleu", "val_beams": "4,6", "val_alphas": "0.6,1.0,1.4",
+}
+
 RECIPES: dict[str, dict[str, Any]] = {
-    # Tuned on Multi30k's val split (29k pairs overfit the paper's defaults): more dropout, a
-    # short warmup at half the paper's rate, checkpoints every 100 steps for averaging, no
-    # early stopping; 4,200 steps is the run behind the README's figure (60 min on our 2-core
-    # CPU). --max-minutes only guards a much slower machine.
-    "multi30k": {
-        "preset": "small", "vocab_size": 8000, "max_length": 128, "tokens_per_batch": 4096,
-        "dropout": 0.2, "warmup_steps": 1000, "lr_scale": 0.5, "label_smoothing": 0.1,
-        "max_steps": 4200, "max_minutes": 240.0, "patience": 0, "checkpoint_every": 100,
-        "validate_every": 200, "average_last": 5, "beam": 4, "alpha": 0.6,
-        # Issue 29: the weights, beam and alpha chosen by val BLEU. (Subword regularization,
-        # --subword-samples, learns too slowly for 4,200 steps here: BENCHMARKS.md.)
-        "choose_by": "bleu", "val_beams": "4,6", "val_alphas": "0.6,1.0,1.4",
-    },
+    "multi30k": _MULTI30K,
     # Back-translation on Multi30k (issue 38; docs/back_translation.md gives the commands):
     # `multi30k` for the real and synthetic pairs together (--synthetic FOLDER from
     # `python -m keras_transformer.back_translate`). Five times the pairs need more steps
@@ -55,14 +57,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     # the real pairs twice (Edunov et al. 2018: upsampling the real data helps when the
     # synthetic data outnumber it), tagged synthetic sources (Caswell et al. 2019). A
     # starting point: not yet chosen on val (BENCHMARKS.md).
-    "multi30k-bt": {
-        "preset": "small", "vocab_size": 8000, "max_length": 128, "tokens_per_batch": 4096,
-        "dropout": 0.2, "warmup_steps": 1000, "lr_scale": 0.5, "label_smoothing": 0.1,
-        "max_steps": 7000, "max_minutes": 240.0, "patience": 0, "checkpoint_every": 100,
-        "validate_every": 200, "average_last": 5, "beam": 4, "alpha": 0.6,
-        "choose_by": "bleu", "val_beams": "4,6", "val_alphas": "0.6,1.0,1.4",
-        "upsample_real": 2, "synthetic_tag": "<BT>",
-    },
+    "multi30k-bt": {**_MULTI30K, "max_steps": 7000, "upsample_real": 2,
+                    "synthetic_tag": "<BT>"},
     # Base model: 100,000 steps, the average of the last 5 checkpoints (6.1).
     "paper-base": {**_PAPER, "preset": "base", "max_steps": 100_000, "average_last": 5},
     # Big model (dropout 0.3 in the preset): 300,000 steps, the last 20 checkpoints (6.1).
