@@ -125,8 +125,7 @@ def load_initial_weights(model, run: InitialRun) -> None:
     """
     import keras
 
-    saved = keras.models.load_model(run.model_file, compile=False)
-    by_path = {weight.path: weight for weight in saved.weights}
+    by_path = {weight.path: weight for weight in saved_model(run).weights}
     problems = []
     for weight in model.weights:
         source = by_path.get(weight.path)
@@ -138,6 +137,15 @@ def load_initial_weights(model, run: InitialRun) -> None:
     if problems:
         raise UsageError(f"--init-from {run.model_file}: its weights do not fit this model "
                          f"({'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''})")
+
+
+def saved_model(run: InitialRun):
+    """The initial run's model.keras, loaded (uncompiled)."""
+    import keras
+
+    import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
+
+    return keras.models.load_model(run.model_file, compile=False)
 
 
 def old_test_corpus(run: InitialRun, load: Callable[..., Any]):
@@ -154,16 +162,14 @@ def old_test_corpus(run: InitialRun, load: Callable[..., Any]):
         return None
 
 
-def evaluate_before_and_after(run: InitialRun, model, tokenizer, tests: dict[str, Any],
+def evaluate_before_and_after(run: InitialRun, tokenizer, tests: dict[str, Any],
                               score: Callable[[Any, Any, Any], dict[str, Any]],
                               after: dict[str, Any]) -> dict[str, Any]:
     """results.json's "fine_tuning": BLEU before (the initial run's weights) and after (this
     run's final weights, `after`, by role) on each test split, and the difference.
 
     Args:
-        run: the initial run.
-        model: a model of this run's architecture (its weights are replaced here: not the
-            final model).
+        run: the initial run (its model.keras is the model before).
         tokenizer: the shared tokenizer.
         tests: {"test": this run's test split, "old_test": the initial run's}, each a
             `ParallelCorpus` or None.
@@ -171,7 +177,7 @@ def evaluate_before_and_after(run: InitialRun, model, tokenizer, tests: dict[str
         after: {role: scores of the final model} for the roles already scored.
     """
     summary: dict[str, Any] = {"init_from": str(run.path)}
-    load_initial_weights(model, run)
+    model = saved_model(run)
     for role, corpus in tests.items():
         if corpus is None:
             continue

@@ -348,7 +348,7 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     results["convergence"] = convergence_report(read_validation_losses(
         run / run_directory.LOG_DIR / "metrics.csv"))
     if config.model.init_from:
-        results["fine_tuning"] = _before_and_after(config, record, corpora, model, tokenizer,
+        results["fine_tuning"] = _before_and_after(config, corpora, model, tokenizer,
                                                    results, beam, alpha)
     results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
     storage.write_json(run / run_directory.RESULTS_FILE, results)
@@ -356,7 +356,7 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     return results
 
 
-def _before_and_after(config: TrainConfig, record: dict[str, Any], corpora: dict[str, Any],
+def _before_and_after(config: TrainConfig, corpora: dict[str, Any],
                       model, tokenizer, results: dict[str, Any], beam: int,
                       alpha: float) -> dict[str, Any]:
     """A fine-tuned run's test scores before and after, on its test split and on the initial
@@ -377,8 +377,7 @@ def _before_and_after(config: TrainConfig, record: dict[str, Any], corpora: dict
     if old_test is not None:
         after["old_test"] = score(model, tokenizer, old_test)
     return fine_tuning.evaluate_before_and_after(
-        initial, build_transformer(**record["model"]), tokenizer,
-        {"test": corpora.get("test"), "old_test": old_test}, score, after)
+        initial, tokenizer, {"test": corpora.get("test"), "old_test": old_test}, score, after)
 
 
 def summarize(run: Path, results: dict[str, Any]) -> None:
