@@ -164,6 +164,8 @@ def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
         "validate_every": config.validate_every,
         # Recorded only when set: the identities of other runs stay as they were.
         **({"init_from": config.model.init_from} if config.model.init_from else {}),
+        **({"cooldown": optimization.cooldown, "max_steps": optimization.max_steps}
+           if optimization.cooldown else {}),  # the schedule depends on the run's length
         **({"clean_train": True} if data.clean_train else {}),
         **({"carve_pairs": data.carve_pairs} if data.carve_pairs != DEFAULT_CARVE_PAIRS else {}),
     }

@@ -84,8 +84,9 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
         record["backend"] = "jax"  # finishing a JAX run: it was trained there
     storage.write_json(home / run_directory.CONFIG_FILE, record)
 
+    max_steps = total_steps(config, prepared, budget, replicas, shapes)
     with strategy.scope():
-        model = compiled_trainer(record, optimization, precision, jit, accumulate)
+        model = compiled_trainer(record, optimization, precision, jit, accumulate, max_steps)
     # Resume: every worker restores the chief's backup (a shared filesystem is assumed) from
     # its newest intact generation; only the chief sets damaged files aside.
     state = backup.restore_backup(model, out, repair=cluster.is_chief)
@@ -130,7 +131,6 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     val_data = strategy.distribute_datasets_from_function(
         lambda ctx: val_batches[ctx.input_pipeline_id].repeat().take(val_steps * per_pipeline))
 
-    max_steps = total_steps(config, prepared, budget, replicas, shapes)
     agree = any_worker(strategy) or bool
     loop = TrainingLoop(config, home, state, started, max_steps, agree)
     _LOG.info(loop.describe(model, config.model.preset, prepared, budget, tokenizer.vocab_size,

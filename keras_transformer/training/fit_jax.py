@@ -68,7 +68,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     run_directory.check_resumed_data(out, record)
     storage.write_json(out / run_directory.CONFIG_FILE, record)
 
-    model = compiled_trainer(record, optimization, precision, True, accumulate)
+    max_steps = total_steps(config, prepared, budget, 1, shapes)
+    model = compiled_trainer(record, optimization, precision, True, accumulate, max_steps)
     state = backup.restore_backup(model, out, repair=True)
     step = cb.global_step(model)
     if step == 0 and config.model.init_from:  # fine-tuning: the old run's weights
@@ -77,7 +78,6 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     train_data = prepared_batches(prepared, tokens_per_batch=budget.global_micro_batch,
                                   max_length=max_length, seed=optimization.seed,
                                   skip_batches=step * accumulate, **shapes)
-    max_steps = total_steps(config, prepared, budget, 1, shapes)
     loop = TrainingLoop(config, out, state, started, max_steps, bool)
     _LOG.info(loop.describe(model, config.model.preset, prepared, budget, prepared.vocab_size,
                             step,

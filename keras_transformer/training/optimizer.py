@@ -14,29 +14,47 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
     step. `step` is the optimizer's iteration count; step 0 (the first update) uses the rate of
     step 1, since the formula is undefined at 0.
 
+    With `cooldown` > 0 the rate is also multiplied by min(1, (total_steps - step) /
+    (cooldown * total_steps)): it falls linearly to 0 over the last `cooldown` share of the
+    run, so a run of known length ends annealed (Haegele et al. 2024: a cooldown after a
+    rate that does not depend on the length matches schedules planned for it).
+
     Args:
         d_model: model width.
         warmup_steps: paper: 4000.
         scale: multiplies the whole rate (1.0 is the paper's).
+        total_steps: the run's optimizer steps (needed with a cooldown).
+        cooldown: the share of the steps, at the end, over which the rate falls to 0.
     """
 
-    def __init__(self, d_model: int, warmup_steps: int = 4000, scale: float = 1.0):
+    def __init__(self, d_model: int, warmup_steps: int = 4000, scale: float = 1.0,
+                 total_steps: int | None = None, cooldown: float = 0.0):
         if d_model <= 0 or warmup_steps <= 0 or scale <= 0:
             raise ValueError(
                 f"d_model, warmup_steps and scale must be positive; got d_model={d_model}, "
                 f"warmup_steps={warmup_steps}, scale={scale}."
             )
+        if not 0.0 <= cooldown < 1.0 or (cooldown > 0 and not total_steps):
+            raise ValueError(f"cooldown must be in [0, 1) and needs total_steps; got "
+                             f"cooldown={cooldown}, total_steps={total_steps}.")
         self.d_model = d_model
         self.warmup_steps = warmup_steps
         self.scale = scale
+        self.total_steps = total_steps
+        self.cooldown = cooldown
 
     def __call__(self, step):
         step = ops.maximum(ops.cast(step, "float32"), 1.0)
         rate = ops.minimum(ops.rsqrt(step), step * self.warmup_steps**-1.5)
-        return self.scale * self.d_model**-0.5 * rate
+        rate = self.scale * self.d_model**-0.5 * rate
+        if self.cooldown > 0:
+            left = (self.total_steps - step) / (self.cooldown * self.total_steps)
+            rate = rate * ops.clip(left, 0.0, 1.0)
+        return rate
 
     def get_config(self) -> dict:
-        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}
+        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale,
+                "total_steps": self.total_steps, "cooldown": self.cooldown}
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -74,10 +92,11 @@ class FusedAdam(keras.optimizers.Adam):
 
 
 def paper_adam(
-    d_model: int, warmup_steps: int = 4000, scale: float = 1.0, **kwargs
+    d_model: int, warmup_steps: int = 4000, scale: float = 1.0,
+    total_steps: int | None = None, cooldown: float = 0.0, **kwargs
 ) -> keras.optimizers.Adam:
     """`FusedAdam` with beta_1=0.9, beta_2=0.98, epsilon=1e-9 and the `NoamSchedule` rate."""
     return FusedAdam(
-        learning_rate=NoamSchedule(d_model, warmup_steps, scale),
+        learning_rate=NoamSchedule(d_model, warmup_steps, scale, total_steps, cooldown),
         beta_1=0.9, beta_2=0.98, epsilon=1e-9, **kwargs,
     )

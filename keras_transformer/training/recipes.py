@@ -9,12 +9,15 @@ WMT14 settings (sections 5 and 6.1, Table 3), as in the README's WMT14 commands.
 
 `multi30k` is bounded in optimizer steps, not minutes, so that the same command gives the same
 model on a fast machine and a slow one (our machines have differed 2x in matmul speed);
-`--max-minutes` is only a safety limit there.
+`--max-minutes` is only a safety limit there. `auto` sizes every setting to the corpus and a
+budget (issue 39: `keras_transformer.training.auto_recipe`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+AUTO = "auto"
 
 # Section 5 of the paper; the WMT14 data, sizes and evaluation (6.1) are the README's.
 _PAPER = {
@@ -63,11 +66,17 @@ RECIPES: dict[str, dict[str, Any]] = {
     "paper-base": {**_PAPER, "preset": "base", "max_steps": 100_000, "average_last": 5},
     # Big model (dropout 0.3 in the preset): 300,000 steps, the last 20 checkpoints (6.1).
     "paper-big": {**_PAPER, "preset": "big", "max_steps": 300_000, "average_last": 20},
+    # Chosen for each run from its corpus and --budget-minutes/--budget-steps
+    # (keras_transformer.training.auto_recipe; docs/auto_recipe.md): no fixed values.
+    AUTO: {},
 }
 
 
 def describe_recipes() -> str:
     """One line per recipe, for `--help`."""
-    return "; ".join(f"{name}: " + ", ".join(f"--{key.replace('_', '-')} {value}"
-                                             for key, value in values.items())
+    return "; ".join(f"{name}: " + (", ".join(f"--{key.replace('_', '-')} {value}"
+                                              for key, value in values.items())
+                                    if name != AUTO else "every setting chosen from the "
+                                    "corpus and --budget-minutes or --budget-steps "
+                                    "(--dry-run shows them and why)")
                      for name, values in RECIPES.items())

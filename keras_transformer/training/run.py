@@ -44,13 +44,14 @@ from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.run_directory import run_record
 from keras_transformer.serving.saved_model import export_saved_model
-from keras_transformer.training import backup, fine_tuning, fit_jax, run_data
+from keras_transformer.training import auto_plan, backup, fine_tuning, fit_jax, run_data
 from keras_transformer.training.config import DEFAULT_MAX_STEPS, EvaluationConfig, TrainConfig
 from keras_transformer.training.convergence import convergence_report, read_validation_losses
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
 from keras_transformer.training.keras_backend import check_backend, finishing_command
 from keras_transformer.training.losses import validation_loss
+from keras_transformer.training.recipes import AUTO
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.val_choice import (
     choose_on_val_bleu,
@@ -122,7 +123,19 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         budget = config.batches.budget(1 if on_jax else strategy.num_replicas_in_sync,
                                        config.data.max_length)
         corpora = run_data.load_corpora(config)
+        auto = None
+        if config.recipe == AUTO:  # every setting sized to the corpus and the budget
+            auto = auto_plan.plan_on_this_machine(config, corpora, strategy, cluster.num_workers,
+                                                  started, say)
+            config = auto.config
+            model_config = config.check()
+            budget = config.batches.budget(1 if on_jax else strategy.num_replicas_in_sync,
+                                           config.data.max_length)
         record = run_record(config, model_config)
+        if auto is not None:
+            record["auto"] = auto.record
+            if not dry_run:
+                say(auto.describe())
         out, chief = Path(config.output.out), cluster.is_chief
         if chief:
             mode = run_directory.inspect_run_dir(out, record["identity"],
@@ -138,6 +151,8 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
                                                initial=initial) if chief else None)
             if dry_run:
                 plan = describe_plan(config, model_config, corpora, budget, mode, prepared)
+                if auto is not None:
+                    plan += "\n" + auto.describe()
                 say(plan)
                 return {"plan": plan}
             if prepared is None and chief:  # the one pass over the text, before anything exists
@@ -201,7 +216,12 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         return {"step": outcome["step"], "stop_reason": outcome["reason"], "chief": False}
     if on_jax:  # decoding, test BLEU and the SavedModel are TensorFlow's
         return finish_with_tensorflow(config, outcome)
-    return finish_run(config, record, corpora, outcome)
+    results = finish_run(config, record, corpora, outcome)
+    if auto is not None:
+        results["budget"] = auto_plan.budget_report(record["auto"], results, started)
+        storage.write_json(out / run_directory.RESULTS_FILE, results)
+        _LOG.info(results["budget"]["message"])
+    return results
 
 
 def _refused(error: Exception, cluster: Cluster | None) -> Exception:

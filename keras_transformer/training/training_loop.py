@@ -34,13 +34,15 @@ _LOG = logging.getLogger("keras_transformer")
 
 
 def compiled_trainer(record: dict[str, Any], optimization, precision: str, jit: bool,
-                     accumulate: int):
+                     accumulate: int, total_steps: int | None = None):
     """The run's `TransformerTrainer`, compiled as every run trains it (either backend):
-    5.3's Adam and schedule (loss-scaled under mixed_float16), 5.4's smoothed loss over the
-    global batch's tokens, `accumulate` micro-batches an update; its optimizer built."""
+    5.3's Adam and schedule (loss-scaled under mixed_float16; with `optimization.cooldown`,
+    annealed to 0 at `total_steps`), 5.4's smoothed loss over the global batch's tokens,
+    `accumulate` micro-batches an update; its optimizer built."""
     model = build_trainer(**record["model"], dtype=precision)
+    cooldown = optimization.cooldown if total_steps else 0.0
     optimizer = paper_adam(model.config.d_model, optimization.warmup_steps,
-                           optimization.lr_scale)
+                           optimization.lr_scale, total_steps, cooldown)
     if precision == "mixed_float16":  # steps skipped on overflow still count as steps
         optimizer = LossScaleOptimizer(optimizer, initial_scale=optimization.initial_loss_scale)
     model.compile(

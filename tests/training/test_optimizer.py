@@ -69,7 +69,8 @@ def test_scale_multiplies_rate(schedule, scale):
 
 def test_get_config_from_config(schedule):
     config = NoamSchedule(256, warmup_steps=8000, scale=2.0).get_config()
-    assert config == {"d_model": 256, "warmup_steps": 8000, "scale": 2.0}
+    assert config == {"d_model": 256, "warmup_steps": 8000, "scale": 2.0, "total_steps": None,
+                      "cooldown": 0.0}
     clone = NoamSchedule.from_config(config)
     assert rate(clone, 5000) == pytest.approx(2.0 * paper_rate(5000, 256, 8000), rel=1e-6)
     restored = keras.saving.deserialize_keras_object(
@@ -85,7 +86,8 @@ def test_serializes_inside_adam_config():
     restored = keras.optimizers.deserialize(config)
     assert isinstance(restored, keras.optimizers.Adam)
     schedule = restored.get_config()["learning_rate"]
-    assert schedule["config"] == {"d_model": D_MODEL, "warmup_steps": WARMUP, "scale": 1.5}
+    assert schedule["config"] == {"d_model": D_MODEL, "warmup_steps": WARMUP, "scale": 1.5,
+                                  "total_steps": None, "cooldown": 0.0}
     # Before any update (iterations = 0) the restored optimizer uses 1.5 x the step-1 rate.
     assert float(keras.ops.convert_to_numpy(restored.learning_rate)) == pytest.approx(
         1.5 * paper_rate(1), rel=1e-6
@@ -100,7 +102,8 @@ def test_paper_adam_hyperparameters():
     assert optimizer.epsilon == 1e-9
     assert optimizer.clipnorm == 1.0  # extra kwargs reach Adam
     assert optimizer.get_config()["learning_rate"]["config"] == {
-        "d_model": D_MODEL, "warmup_steps": 4000, "scale": 1.0
+        "d_model": D_MODEL, "warmup_steps": 4000, "scale": 1.0, "total_steps": None,
+        "cooldown": 0.0
     }
 
 

@@ -26,6 +26,19 @@ class OptimizationConfig:
                                     positive)
     max_minutes: float | None = setting(None, "wall-clock budget for training "
                                          "(evaluation/export come after)", positive)
+    cooldown: float = setting(
+        0.0, "the last fraction of the steps over which the rate falls linearly to 0 (after "
+        "the paper's schedule; --recipe auto: 0.2); 0 = the paper's schedule alone", fraction)
+    budget_minutes: float | None = setting(
+        None, "--recipe auto: minutes for the whole command (data, measuring this machine, "
+        "training, val choices, test, export); the steps they hold are measured once and "
+        "recorded, so a resumed run keeps them (docs/auto_recipe.md)", positive)
+    budget_steps: int | None = setting(
+        None, "--recipe auto: optimizer steps instead of minutes (the same run on any "
+        "machine)", positive)
+    assume_step_seconds: float | None = setting(
+        None, "--recipe auto: seconds of one training step, instead of measuring them (to plan "
+        "for another machine with --dry-run; the preset is then not stepped down)", positive)
     seed: int = setting(0, "seeds initialization, shuffling and the vocabulary", non_negative)
     precision: str = setting(
         "auto", "auto: mixed_bfloat16 on GPUs of compute capability >= 8.0 and on CPUs with "

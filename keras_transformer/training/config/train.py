@@ -17,7 +17,7 @@ from keras_transformer.training.config.evaluation import EvaluationConfig
 from keras_transformer.training.config.model import ModelConfig
 from keras_transformer.training.config.optimization import OptimizationConfig
 from keras_transformer.training.config.output import ClusterConfig, OutputConfig
-from keras_transformer.training.recipes import RECIPES
+from keras_transformer.training.recipes import AUTO, RECIPES
 
 
 @dataclasses.dataclass
@@ -36,6 +36,8 @@ class TrainConfig:
     evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     recipe: str | None = None
+    # The settings given as flags (or by name in Python), which --recipe auto leaves alone.
+    given: frozenset[str] = dataclasses.field(default_factory=frozenset, compare=False)
 
     def flags(self) -> dict[str, Any]:
         """{flag name (underscores): value} of every setting, `recipe` included."""
@@ -61,9 +63,31 @@ class TrainConfig:
             raise UsageError("--recipe multi30k-bt trains on real and back-translated pairs: "
                              "give --synthetic FOLDER (made by `python -m keras_transformer."
                              "back_translate`: docs/back_translation.md)")
+        self._check_budget()
         if self.output.overwrite and self.output.resume:
             raise UsageError("--overwrite and --resume contradict each other")
         return self.model.transformer(self.data.vocab_size)
+
+    def _check_budget(self) -> None:
+        """--budget-* belong to --recipe auto, which needs one of them."""
+        optimization = self.optimization
+        budgets = [flag for flag, value in (("--budget-minutes", optimization.budget_minutes),
+                                            ("--budget-steps", optimization.budget_steps))
+                   if value is not None]
+        if self.recipe != AUTO:
+            extra = budgets + (["--assume-step-seconds"]
+                               if optimization.assume_step_seconds is not None else [])
+            if extra:
+                raise UsageError(f"{', '.join(extra)} size a --recipe auto run; add --recipe "
+                                 "auto, or give --max-steps/--max-minutes instead")
+            return
+        if len(budgets) != 1:
+            raise UsageError("--recipe auto needs one budget: --budget-minutes M (the whole "
+                             "command, measured on this machine) or --budget-steps N (the same "
+                             "run anywhere)" + (", not both" if budgets else ""))
+        if "max_steps" in self.given or "epochs" in self.given:
+            raise UsageError("--recipe auto sets the steps from its budget: give "
+                             "--budget-steps N instead of --max-steps/--epochs")
 
     @property
     def validate_every(self) -> int:
@@ -127,6 +151,11 @@ def check_value(name: str, value: Any) -> None:
 _OWNERS = {field.name: (component, field) for component, _, field in setting_fields()}
 
 
+def component_of(name: str) -> str:
+    """The `TrainConfig` component ("data", "model", ...) that holds setting `name`."""
+    return _OWNERS[name][0]
+
+
 def train_config(recipe: str | None = None, **flags: Any) -> TrainConfig:
     """A `TrainConfig` from flag names and values, as `python -m keras_transformer.train` builds
     it: the recipe's values replace the defaults, and `flags` win over both.
@@ -148,8 +177,9 @@ def train_config(recipe: str | None = None, **flags: Any) -> TrainConfig:
     parts: dict[str, dict[str, Any]] = {component: {} for component in COMPONENTS}
     for name, value in values.items():
         parts[_OWNERS[name][0]][name] = value
-    return TrainConfig(recipe=recipe, **{component: COMPONENT_TYPES[component](**parts[component])
-                                         for component in COMPONENTS})
+    return TrainConfig(recipe=recipe, given=frozenset(flags),
+                       **{component: COMPONENT_TYPES[component](**parts[component])
+                          for component in COMPONENTS})
 
 
 def data_config(recipe: str | None = None, **flags: Any) -> DataConfig:

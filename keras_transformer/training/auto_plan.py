@@ -1,0 +1,352 @@
+"""A `--recipe auto` run's settings, decided once: the corpus counted, this machine's step
+measured, the budget turned into steps (`keras_transformer.training.auto_recipe` has the
+rules), and everything recorded in config.json's "auto", so that a resumed run reads its plan
+back instead of measuring again (the run stays bounded in steps, as recipes are).
+
+How the minutes are spent: the whole command (start-up, counting the corpus, measuring,
+preparing the data, training, the val choices, the test and the export) fits
+`--budget-minutes`. Everything but training is measured (counting, measuring) or estimated
+from measurements of this project (preparing, decoding, export: the constants below); the
+training gets the rest, at the measured step time times the run's own overheads
+(validation, checkpoints, new batch shapes). `--max-minutes` stays a guard on training alone,
+set to 1.25x the planned training minutes: a machine that slows down still ends near the
+budget, and a run stopped by it says so (results.json's stop_reason and convergence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from keras_transformer import run_directory
+from keras_transformer.errors import UsageError
+from keras_transformer.training import auto_recipe as rules
+from keras_transformer.training.auto_recipe import Budget, Choice
+from keras_transformer.training.config import COMPONENTS, TrainConfig, config_from_flags
+from keras_transformer.training.config.fields import comma_separated
+from keras_transformer.training.config.train import component_of
+from keras_transformer.training.precision import (
+    gpu_capabilities,
+    jax_gpu_capabilities,
+    resolve_jit,
+    resolve_precision,
+)
+from pipelines.corpora import CorpusError
+from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
+
+# Measured on this project's runs (BENCHMARKS.md): a whole run averages 4,902 target tokens/s
+# where its step alone does 5,400-5,700 (run 7): validation, checkpoints, new batch shapes.
+RUN_OVERHEAD = 1.12
+# A beam-4 decoding of one val sentence costs ~0.015 of a 4,096-token training step of the
+# same model: 10.9 s for 1,014 sentences at 0.72 s a step (issue 29, AVX-512, bfloat16), 60 s
+# for 1,000 at ~4 s a step (AVX2, float32).
+DECODE_STEPS_PER_SENTENCE = 0.015
+STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
+EXPORT_SECONDS = 45.0  # model.keras and the SavedModel (tracing its signatures)
+PREPARE_SECONDS = (10.0, 10.0)  # + per million words: the tokenizer and the token shards
+END_SHARE = 0.15  # the val grid shrinks to beam 4 where the end would take more of the budget
+# Settings that only say where and how the run writes: not part of what auto plans.
+_NOT_PLANNED = {"out", "overwrite", "resume", "verbose", "no_export", "export_dir",
+                "join_timeout", "backup_every", "keep_backups"}
+
+
+@dataclasses.dataclass
+class AutoPlan:
+    """What `plan_run` decided: the settings and config.json's "auto" record."""
+
+    config: TrainConfig
+    record: dict[str, Any]
+
+    def describe(self) -> str:
+        """The dry run's and the log's account: the corpus, the budget, each choice and why."""
+        record = self.record
+        lines = [f"  auto           {record['statistics_text']}",
+                 f"                 budget {record['budget']}; {record['plan_text']}",
+                 rules.describe_choices({name: Choice(**choice) for name, choice
+                                         in record["choices"].items()},
+                                        set(record["request"]["given"]))]
+        return "\n".join(lines)
+
+
+def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, workers: int,
+             started: float, precision: str, jit: bool, report: Callable[[str], None],
+             stats: CorpusStatistics | None = None,
+             step_seconds: Callable[[TrainConfig], float] | None = None) -> AutoPlan:
+    """The settings of a `--recipe auto` run: read back from its config.json when it is
+    resumed (never measured twice), else decided now.
+
+    Args:
+        config: the run's settings as given (`config.given` names the flags, which win).
+        corpora: `run_data.load_corpora`'s: the train split is counted, val/test sizes
+            enter the estimate of the end.
+        replicas, workers: of the run (a minutes budget is measured on one machine).
+        started: `time.perf_counter()` when the command's work began.
+        precision, jit: the training's, as resolved for this machine.
+        report: where progress lines go.
+        stats: the corpus's statistics, if known (else the train split is counted).
+        step_seconds: the seconds of a step of a candidate run's settings, instead of
+            measuring them (to plan for other machines: `benchmarks/auto_recipe_table.py`).
+
+    Raises:
+        UsageError: no budget or too small a one, a budget that a cluster cannot measure,
+            a resumed run planned with other settings, or no train split to count.
+    """
+    recorded = _recorded_plan(config)
+    if recorded is not None:
+        report(f"--recipe auto: the plan of {config.output.out}'s config.json (measured once, "
+               "when the run started)")
+        return recorded
+    optimization = config.optimization
+    budget = Budget(optimization.budget_minutes, optimization.budget_steps)
+    if budget.minutes is not None and workers > 1 and optimization.assume_step_seconds is None:
+        raise UsageError("--budget-minutes is measured on one machine: a cluster gives "
+                         "--budget-steps N (or --assume-step-seconds S)")
+    if config.model.init_from:
+        raise UsageError("--recipe auto chooses the model and vocabulary; --init-from keeps a "
+                         "trained run's: give the settings (or --recipe multi30k) instead")
+    if stats is None:
+        stats = _count(config, corpora, report)
+    choices = rules.data_choices(stats)
+    ceiling = rules.preset_ceiling(stats)
+    candidates = (["given"] if "preset" in config.given else
+                  list(reversed(rules.PRESET_ORDER[:rules.PRESET_ORDER.index(ceiling) + 1])))
+    measured: dict[str, float] = {}
+    for preset in candidates:
+        chosen = dict(choices)
+        if preset != "given":
+            chosen["preset"] = Choice(preset, _preset_reason(stats, ceiling, preset, measured))
+        name = preset if preset != "given" else config.model.preset
+        chosen["dropout"] = rules.dropout_choice(stats, name)
+        chosen["tokens_per_step"] = Choice(rules.TOKENS_PER_STEP.get(name, 4096),
+                                           f"the {'multi30k recipe' if name == 'small' else 'paper'}"
+                                           f"'s for {name}")
+        trial = _apply(config, chosen)
+        if budget.steps is not None:
+            schedule = rules.schedule_choices(stats, name, budget.steps, "--budget-steps")
+            plan_text = f"{budget.steps:,} steps given"
+        else:
+            schedule, plan_text, measured[name] = _minutes_schedule(
+                trial, stats, name, corpora, started, precision, jit, replicas, report,
+                step_seconds)
+        steps = schedule["max_steps"].value
+        last = preset == candidates[-1]
+        if (preset == "given" or last or optimization.assume_step_seconds is not None
+                or steps >= rules.MIN_STEPS[name]):
+            break
+        report(f"--recipe auto: {name} would train {steps:,} steps, fewer than the "
+               f"{rules.MIN_STEPS[name]:,} it needs; trying the next smaller preset")
+    chosen = {**{key: chosen[key] for key in ("preset", "dropout", "tokens_per_step")
+                 if key in chosen}, **schedule, **chosen}
+    final = _apply(config, chosen)
+    final.check()
+    record = {
+        "request": _request(config),
+        "budget": budget.describe(),
+        "statistics": dataclasses.asdict(stats),
+        "statistics_text": stats.describe(),
+        "plan_text": plan_text,
+        "measured_step_seconds": measured,
+        "choices": {name: dataclasses.asdict(choice) for name, choice in chosen.items()},
+    }
+    return AutoPlan(final, record)
+
+
+def plan_on_this_machine(config: TrainConfig, corpora: dict[str, Any], strategy, workers: int,
+                         started: float, report: Callable[[str], None]) -> AutoPlan:
+    """`auto_plan.plan_run` with this machine's precision and XLA choice, as the training
+    will resolve them (`fit.train_model`, `fit_jax.train_model`)."""
+    optimization = config.optimization
+    if optimization.backend == "jax":
+        gpus = jax_gpu_capabilities()
+        precision, jit, replicas = resolve_precision(optimization.precision, gpus), True, 1
+    else:
+        import tensorflow as tf
+
+        precision = resolve_precision(optimization.precision, gpu_capabilities())
+        jit = resolve_jit(optimization.jit_compile, len(tf.config.list_logical_devices("GPU")))
+        replicas = strategy.num_replicas_in_sync  # (None under JAX: one device)
+    return plan_run(config, corpora, replicas=replicas, workers=workers, started=started,
+                    precision=precision, jit=jit, report=report)
+
+
+def budget_report(auto: dict[str, Any], results: dict[str, Any], started: float
+                  ) -> dict[str, Any]:
+    """results.json's "budget" of an auto run: the plan against what the command took (this
+    process's time; a resumed run's earlier processes are in training_seconds only)."""
+    command = time.perf_counter() - started + STARTUP_SECONDS
+    report = {"budget": auto["budget"], "steps_planned": auto["choices"]["max_steps"]["value"],
+              "steps_trained": results["steps"], "command_minutes": round(command / 60, 1),
+              "training_minutes": round(results["training_seconds"] / 60, 1),
+              "evaluation_minutes": round(results["evaluation_seconds"] / 60, 1)}
+    report["message"] = (f"budget {auto['budget']}: this command took "
+                         f"{report['command_minutes']} min ({report['training_minutes']} of "
+                         f"them training {results['steps']:,} of the "
+                         f"{report['steps_planned']:,} steps planned, "
+                         f"{report['evaluation_minutes']} choosing on val, testing, exporting)")
+    return report
+
+
+def _preset_reason(stats: CorpusStatistics, ceiling: str, preset: str,
+                   measured: dict[str, float]) -> str:
+    reason = (f"{stats.words:,} words support up to {ceiling} (base from "
+              f"{rules.PRESET_FROM_WORDS['base']:,}, big from "
+              f"{rules.PRESET_FROM_WORDS['big']:,})")
+    if preset != ceiling:
+        reason += (f"; stepped down: the budget gives larger presets fewer steps than they need "
+                   f"({', '.join(f'{rules.MIN_STEPS[p]:,} for {p}' for p in measured)})")
+    return reason
+
+
+def _count(config: TrainConfig, corpora: dict[str, Any],
+           report: Callable[[str], None]) -> CorpusStatistics:
+    """The training split's statistics (one pass).
+
+    Raises:
+        UsageError: no train split here, or a bad one.
+    """
+    if corpora.get("train") is None:
+        raise UsageError("--recipe auto counts the training split, which is not here "
+                         f"({corpora.get('train_error')})")
+    report(f"--recipe auto: counting the training split of {config.data.data} ...")
+    try:
+        return corpus_statistics(corpora["train"].pairs())
+    except (CorpusError, ValueError) as error:
+        raise UsageError(f"train data: {error}") from None
+
+
+def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
+                      corpora: dict[str, Any], started: float, precision: str, jit: bool,
+                      replicas: int, report: Callable[[str], None],
+                      assumed: Callable[[TrainConfig], float] | None
+                      ) -> tuple[dict[str, Choice], str, float]:
+    """The schedule a minutes budget buys `preset`: its step measured here (or assumed), the
+    time left after everything else the command does."""
+    optimization = trial.optimization
+    if assumed is not None:
+        step_seconds, how = assumed(trial), "assumed"
+    elif optimization.assume_step_seconds is not None:
+        step_seconds, how = optimization.assume_step_seconds, "assumed (--assume-step-seconds)"
+    else:
+        step_seconds = measure_run_step(trial, stats, precision, jit, replicas, report)
+        how = f"measured here ({precision}, XLA {'on' if jit else 'off'})"
+    run_step = step_seconds * RUN_OVERHEAD
+    budget_seconds = optimization.budget_minutes * 60
+    spent = time.perf_counter() - started + STARTUP_SECONDS
+    prepare = PREPARE_SECONDS[0] + PREPARE_SECONDS[1] * stats.words / 1e6
+    grid = _decoding_grid(trial, corpora, budget_seconds, step_seconds)
+    end = _end_seconds(trial, corpora, step_seconds,
+                       grid["val_beams"].value if grid else None)
+    training = budget_seconds - spent - prepare - end
+    if training < max(60.0, 50 * run_step):
+        needed = (spent + prepare + end + max(60.0, 50 * run_step)) / 60
+        raise UsageError(f"--budget-minutes {optimization.budget_minutes:g} leaves "
+                         f"{max(training, 0) / 60:.1f} min to train {preset} after the rest of "
+                         f"the command ({(spent + prepare + end) / 60:.1f} min); give at least "
+                         f"{math.ceil(needed)}")
+    schedule = {**rules.budget_minutes_choices(stats, preset, training, run_step), **grid}
+    text = (f"a step of {trial.batches.tokens_per_step:,} tokens takes {step_seconds:.3f} s "
+            f"{how}, {run_step:.3f} s with the run's overheads (x{RUN_OVERHEAD}); of "
+            f"{budget_seconds / 60:.1f} min, {spent / 60:.1f} went to starting, counting and "
+            f"measuring, ~{prepare / 60:.1f} go to preparing the data, ~{end / 60:.1f} to the "
+            f"val choices, test and export: {training / 60:.1f} min of training")
+    return schedule, text, step_seconds
+
+
+def measure_run_step(trial: TrainConfig, stats: CorpusStatistics, precision: str, jit: bool,
+                     replicas: int, report: Callable[[str], None]) -> float:
+    """The measured seconds of one step of `trial`'s model, precision and tokens per step, on
+    synthetic batches of the corpus's mean pair length (`calibration.measure_step_seconds`)."""
+    from keras_transformer.training.calibration import measure_step_seconds
+
+    model = dataclasses.asdict(trial.model.transformer(trial.data.vocab_size))
+    budget = trial.batches.budget(replicas, trial.data.max_length)
+    pair_tokens = max(2, round(stats.mean_pair_words * rules.PIECES_PER_WORD) + 1)
+    report(f"--recipe auto: measuring a {trial.model.preset} step of "
+           f"{budget.tokens_per_step:,} tokens on this machine ...")
+    return measure_step_seconds(model, trial.optimization, precision, jit, budget, pair_tokens)
+
+
+def _decode_units(beams: str, alphas: str, beam: int) -> float:
+    """Beam-4 decodings of val that choosing the weights (4 candidates) and the grid take; a
+    wider beam costs in proportion, a larger alpha ~50% more per unit (longer hypotheses:
+    10.9 s at alpha 0.6, 15.5 s at 1.4, issue 29)."""
+    grid = [(b, a) for b in comma_separated(beams, int) for a in comma_separated(alphas, float)]
+    return 4 * beam / 4 + sum(b / 4 * (1 + 0.5 * (a - 0.6)) for b, a in grid
+                              if (b, a) != (beam, 0.6))
+
+
+def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: float,
+                 beams: str | None = None) -> float:
+    """The val choices, the test translations and the export, estimated."""
+    evaluation = trial.evaluation
+    val = len(corpora["val"])
+    tests = sum(min(len(corpus), trial.data.test_limit or len(corpus))
+                for role, corpus in corpora.items()
+                if role == "test" or role.startswith("test:"))
+    units = _decode_units(beams or evaluation.val_beams, evaluation.val_alphas,
+                          evaluation.beam) if evaluation.choose_by == "bleu" else 1.0
+    # Per sentence, relative to a 4,096-token step of this model.
+    per_sentence = DECODE_STEPS_PER_SENTENCE * step_seconds * 4096 / trial.batches.tokens_per_step
+    return (units * val + 1.5 * tests) * per_sentence + EXPORT_SECONDS
+
+
+def _decoding_grid(trial: TrainConfig, corpora: dict[str, Any], budget_seconds: float,
+                   step_seconds: float) -> dict[str, Choice]:
+    """Beam 4 alone in the val grid when the full grid's end would take more than
+    `END_SHARE` of a minutes budget."""
+    if "val_beams" in trial.given:
+        return {}
+    full = _end_seconds(trial, corpora, step_seconds)
+    if full <= END_SHARE * budget_seconds:
+        return {}
+    return {"val_beams": Choice("4", f"the full grid's end (~{full / 60:.1f} min) would take "
+                                f"over {END_SHARE:.0%} of the budget: beam 4 only (beam 6 won "
+                                "nothing on val in issue 29)")}
+
+
+def _apply(config: TrainConfig, choices: dict[str, Choice]) -> TrainConfig:
+    """`config` with each choice whose flag was not given."""
+    parts = {component: {} for component in COMPONENTS}
+    for name, choice in choices.items():
+        if name not in config.given:
+            parts[component_of(name)][name] = choice.value
+    updated = {component: dataclasses.replace(getattr(config, component), **values)
+               for component, values in parts.items() if values}
+    return dataclasses.replace(config, **updated)
+
+
+def _request(config: TrainConfig) -> dict[str, Any]:
+    """What a resume must repeat for the recorded plan to apply: the given settings."""
+    flags = config.flags()
+    return {"given": {name: flags[name] for name in sorted(config.given)
+                      if name not in _NOT_PLANNED}}
+
+
+def _recorded_plan(config: TrainConfig) -> AutoPlan | None:
+    """The plan in the run directory's config.json (a resume), or None for a fresh run.
+
+    Raises:
+        UsageError: the run there was planned with other settings.
+    """
+    path = Path(config.output.out) / run_directory.CONFIG_FILE
+    if config.output.overwrite or not path.is_file():
+        return None
+    recorded = run_directory.read_json(path)
+    plan = recorded.get("auto")
+    if plan is None:
+        return None  # not an auto run: the identity check names what differs
+    if plan["request"] != _request(config):
+        given = _request(config)["given"]
+        before = plan["request"]["given"]
+        changed = sorted(name for name in set(given) | set(before)
+                         if given.get(name) != before.get(name))
+        raise UsageError(f"{config.output.out} was planned by --recipe auto with other "
+                         f"settings ({', '.join(changed)}); use the original flags to resume, "
+                         "--overwrite to plan again, or another --out")
+    resumed = config_from_flags(recorded["arguments"])
+    return AutoPlan(dataclasses.replace(resumed, output=config.output, cluster=config.cluster,
+                                        given=config.given), plan)

@@ -1,0 +1,193 @@
+"""`--recipe auto`: every setting of a run chosen from the corpus and a budget (issue 39).
+
+Each rule is a formula over the corpus's word statistics (`pipelines.corpus_statistics`),
+anchored at two points that were measured, not looked up by corpus name:
+
+- the `multi30k` recipe, tuned on Multi30k's val split (BENCHMARKS.md, issues 4 and 29):
+  29,000 pairs, 667,403 words of both sides, 39,491 distinct words -> the `small` preset,
+  8,000 pieces, dropout 0.2, 4,096 tokens a step, 1,000 warmup steps of 4,200, peak rate
+  9.9e-4; de->en reached its val plateau by ~2,400 steps (~20 passes over the data), en->de
+  still improved at 4,200 (~35 passes);
+- the paper (5.1-5.4, 6.1) on WMT14 en-de: 4.5M pairs, ~2.2e8 words -> `base`, 37,000
+  pieces, dropout 0.1, 25,000 tokens a step, 4,000 warmup steps of 100,000, peak 7.0e-4.
+
+Between and beyond them the rules interpolate on a log scale of the words, as the low-resource
+studies found the settings to move with data size: fewer subword pieces and more dropout for
+less data (Sennrich and Zhang 2019, "Revisiting Low-Resource NMT"; Araabi and Monz 2020,
+"Optimizing Transformer for Low-Resource NMT"). The budget fixes the steps, and the rate
+anneals to zero at the last one (Li et al. 2020, "Budgeted Training"; a linear cooldown over
+the last 20% after the paper's inverse square root, as Haegele et al. 2024 found to match a
+schedule planned for the length). docs/auto_recipe.md states every rule and what `auto` picks
+for several corpus sizes; `keras_transformer.training.auto_plan` measures the machine and
+applies these choices to a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from pipelines.corpus_statistics import CorpusStatistics
+
+MULTI30K_WORDS = 667_403  # Multi30k de-en train, both sides: the `multi30k` recipe's corpus
+PRESET_ORDER = ("small", "base", "big")
+# From this many words (both sides) a corpus supports the next larger model: Multi30k (0.7M)
+# overfits `base` (model/config.py); IWSLT-size corpora (~5M) are where published systems
+# move to 512-wide models; `big` helps only on WMT-size data (the paper's 4.5M pairs).
+PRESET_FROM_WORDS = {"small": 0, "base": 5_000_000, "big": 100_000_000}
+# A larger model trained for fewer steps than this is further from converged than the next
+# smaller one would be; it is then stepped down. A judgment, not measured here: `base` is
+# the paper's warmup times 5, `big` a sixth of its 300,000 steps.
+MIN_STEPS = {"small": 0, "base": 20_000, "big": 50_000}
+TOKENS_PER_STEP = {"small": 4096, "base": 25_000, "big": 25_000}  # the recipe's; the paper's
+D_MODEL = {"small": 256, "base": 512, "big": 1024}
+# The peak learning rate of each width as tuned: 0.5 * 256^-0.5 * 1000^-0.5 (`multi30k`),
+# 512^-0.5 * 4000^-0.5 and 1024^-0.5 * 4000^-0.5 (the paper's base and big).
+PEAK_RATE = {"small": 0.5 * 256**-0.5 * 1000**-0.5, "base": 512**-0.5 * 4000**-0.5,
+             "big": 1024**-0.5 * 4000**-0.5}
+WARMUP_SHARE = 0.24  # `multi30k`: 1,000 of 4,200 steps; capped at the paper's 4,000
+COOLDOWN = 0.2
+# Passes over the training data at most: `multi30k` de->en plateaued by ~20, en->de still
+# improved at ~35; more than 40 only overfits a small corpus.
+MAX_PASSES = 40
+PIECES_PER_WORD = 1.3  # Multi30k: 14.3 target pieces a sentence for 11.9 words at 8,000
+PADDING = 1.1  # bucketed batches: padding efficiency 93.6% measured on Multi30k
+CHECKPOINTS_PER_RUN = 42  # `multi30k`: every 100 of 4,200 steps; validation every 2nd
+VAL_BEAMS, VAL_ALPHAS = "4,6", "0.6,1.0,1.4"  # issue 29's grid, chosen on val BLEU
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One setting `auto` chose: its value and why (for --dry-run and config.json)."""
+
+    value: Any
+    reason: str
+
+
+def round_to(value: float, step: int) -> int:
+    return max(step, int(round(value / step)) * step)
+
+
+def vocabulary_choice(stats: CorpusStatistics) -> Choice:
+    """Subword pieces: 8,000 x (words / Multi30k's)^0.3, which meets the paper's 37,000 at
+    WMT14's 2.2e8 words; at most a quarter of the distinct words (beyond that pieces are
+    whole rare words: Sennrich and Zhang 2019 found small vocabularies best on little data)."""
+    scaled = 8000 * (stats.words / MULTI30K_WORDS) ** 0.3
+    value = min(scaled, stats.word_types / 4, 37_000)
+    value = round_to(value, 500) if value >= 1000 else round_to(value, 50)
+    return Choice(value, f"8,000 x ({stats.words:,} words / Multi30k's {MULTI30K_WORDS:,})^0.3"
+                  f" = {scaled:,.0f}, at most a quarter of the {stats.word_types:,} distinct "
+                  "words and the paper's 37,000, rounded")
+
+
+def preset_ceiling(stats: CorpusStatistics) -> str:
+    """The largest preset the data support (`PRESET_FROM_WORDS`)."""
+    return [name for name in PRESET_ORDER if stats.words >= PRESET_FROM_WORDS[name]][-1]
+
+
+def dropout_choice(stats: CorpusStatistics, preset: str) -> Choice:
+    """0.2 at Multi30k's size, 0.1 more for every 10x fewer words, 0.1 less for 10x more,
+    within [0.1, 0.3]; `big` keeps the paper's 0.3."""
+    if preset == "big":
+        return Choice(0.3, "the paper's big model (Table 3)")
+    raw = 0.2 + 0.1 * math.log10(MULTI30K_WORDS / stats.words)
+    value = round(min(0.3, max(0.1, raw)) * 20) / 20
+    return Choice(value, f"0.2 + 0.1 x log10(Multi30k's words / {stats.words:,}) = {raw:.3f}, "
+                  "within [0.1, 0.3], to 0.05")
+
+
+def max_length_choice(stats: CorpusStatistics) -> Choice:
+    """128 pieces (`multi30k`) if 99.9% of the sentences fit at `PIECES_PER_WORD`, else 256
+    (the paper's); longer pairs are left out of the batches."""
+    longest = math.ceil(max(stats.long_source, stats.long_target) * PIECES_PER_WORD) + 1
+    value = 128 if longest <= 128 else 256
+    return Choice(value, f"99.9% of sentences within {max(stats.long_source, stats.long_target)}"
+                  f" words ~ {longest} pieces")
+
+
+def passes_per_step(stats: CorpusStatistics, tokens_per_step: int) -> float:
+    """The fraction of the corpus one step reads (pairs of the longer side's pieces, padded)."""
+    tokens = stats.pairs * stats.mean_pair_words * PIECES_PER_WORD * PADDING
+    return tokens_per_step / tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What the user gave: minutes for the whole command, or steps (its reproducible form)."""
+
+    minutes: float | None = None
+    steps: int | None = None
+
+    def describe(self) -> str:
+        return (f"{self.minutes:g} minutes" if self.minutes is not None
+                else f"{self.steps:,} steps")
+
+
+def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
+                     why_steps: str) -> dict[str, Choice]:
+    """The steps (the budget's, at most `MAX_PASSES` over the data), warmup, peak rate,
+    cooldown and checkpoint cadence of a run of `preset` that the budget gives
+    `budget_steps` steps."""
+    tokens = TOKENS_PER_STEP[preset]
+    most = max(1, int(MAX_PASSES / passes_per_step(stats, tokens)))
+    steps = min(budget_steps, most)
+    steps_reason = why_steps if steps == budget_steps else (
+        f"{MAX_PASSES} passes over the data ({most:,} steps of {tokens:,} tokens): the budget's "
+        f"{budget_steps:,} would overfit it, so the run ends early")
+    warmup = min(4000, round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
+    peak = PEAK_RATE[preset]
+    lr_scale = round(peak * math.sqrt(D_MODEL[preset] * warmup), 4)
+    every = max(10, round_to(steps / CHECKPOINTS_PER_RUN, 10 if steps < 4200 else 50))
+    return {
+        "max_steps": Choice(steps, steps_reason),
+        "tokens_per_step": Choice(tokens, f"the {'multi30k recipe' if preset == 'small' else 'paper'}"
+                                  f"'s for {preset}"),
+        "warmup_steps": Choice(warmup, f"{WARMUP_SHARE:.0%} of the steps (multi30k: 1,000 of "
+                               "4,200), at most the paper's 4,000"),
+        "lr_scale": Choice(lr_scale, f"a peak rate of {peak:.2e} ({preset}'s as tuned), reached "
+                           f"at step {warmup}"),
+        "cooldown": Choice(COOLDOWN, "the rate falls linearly to 0 over the last 20% of the "
+                           "steps: the run ends annealed at its budget"),
+        "checkpoint_every": Choice(every, f"{CHECKPOINTS_PER_RUN} checkpoints a run "
+                                   "(multi30k: every 100 of 4,200)"),
+        "validate_every": Choice(2 * every, "every second checkpoint"),
+        "average_last": Choice(5, "the paper's 5 (6.1), chosen against the best on val"),
+    }
+
+
+def data_choices(stats: CorpusStatistics) -> dict[str, Choice]:
+    """The choices that need only the corpus: vocabulary, length limit, label smoothing and
+    how the final weights and decoding are chosen."""
+    return {
+        "vocab_size": vocabulary_choice(stats),
+        "max_length": max_length_choice(stats),
+        "label_smoothing": Choice(0.1, "the paper's (5.4)"),
+        "choose_by": Choice("bleu", "the final weights, beam and alpha by val BLEU (issue 29: "
+                            "+0.3 to +0.6 on val over the paper's defaults)"),
+        "val_beams": Choice(VAL_BEAMS, "issue 29's grid"),
+        "val_alphas": Choice(VAL_ALPHAS, "issue 29's grid"),
+        "patience": Choice(0, "no early stop: the schedule ends at the budget"),
+    }
+
+
+def budget_minutes_choices(stats: CorpusStatistics, preset: str, training_seconds: float,
+                           step_seconds: float) -> dict[str, Choice]:
+    """`schedule_choices` for a minutes budget: the steps that `training_seconds` hold at
+    `step_seconds` (measured, with the run's overheads), and a --max-minutes guard."""
+    steps = max(1, int(training_seconds / step_seconds))
+    choices = schedule_choices(stats, preset, steps, f"{training_seconds / 60:.1f} min of "
+                               f"training at {step_seconds:.3f} s a step")
+    planned = choices["max_steps"].value * step_seconds / 60
+    choices["max_minutes"] = Choice(round(max(1.0, 1.25 * planned), 1),
+                                    f"a guard: 1.25x the {planned:.1f} training minutes planned")
+    return choices
+
+
+def describe_choices(choices: dict[str, Choice], given: set[str]) -> str:
+    """The dry run's table: each setting, its value and why (or that a flag gave it)."""
+    width = max(len(name) for name in choices) + 3
+    return "\n".join(f"    --{name.replace('_', '-'):<{width}}"
+                     + (f"(given: the flag wins over {choice.value})" if name in given
+                        else f"{choice.value}  ({choice.reason})")
+                     for name, choice in choices.items())
