@@ -198,7 +198,8 @@ def prepare_corpus(
         (:meth:`~pipelines.corpora.CorpusSplit.source_tags`) reserved as single pieces.
       tokenizer_data: more splits whose text trains the tokenizer too (``tokenizer_sample``
         pairs sampled from each, seeded), not the model: one vocabulary for two domains from
-        the start, for a model that will be fine-tuned on the second.
+        the start, for a model that will be fine-tuned on the second. Refused with a
+        ``tokenizer`` (which is not trained).
 
     Returns:
       The :class:`PreparedCorpus`.
@@ -218,6 +219,9 @@ def prepare_corpus(
     if shard_pairs < 1 or min_shards < 1:
         raise ValueError(f"shard_pairs and min_shards must be positive, got {shard_pairs}, "
                          f"{min_shards}")
+    if tokenizer is not None and tokenizer_data:
+        raise ValueError("tokenizer_data trains a new tokenizer; a given tokenizer (fine-tuning "
+                         "keeps its vocabulary) trains none: give one or the other")
     started = time.perf_counter()
     if scan is None:
         scan = scan_corpus(split, sample_pairs=tokenizer_sample, seed=seed)

@@ -100,3 +100,9 @@ def test_tokenizer_data_trains_the_vocabulary_not_the_model(tmp_path, multi30k_d
                                      ).numpy().tolist()
 
     assert len(pieces(both, "die Regierung")) < len(pieces(alone, "die Regierung"))
+
+    # A given tokenizer is not trained: text for training one is refused, nothing written.
+    with pytest.raises(ValueError, match="give one or the other"):
+        prepare_corpus(captions, tmp_path / "refused", vocab_size=2000, max_length=64,
+                       tokenizer=alone.tokenizer(), tokenizer_data=[news])
+    assert not (tmp_path / "refused").exists()

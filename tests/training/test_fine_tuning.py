@@ -33,6 +33,12 @@ def _sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def test_a_new_vocabulary_for_a_fine_tuned_run_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="--tokenizer-data trains a new vocabulary"):
+        train_config(data="data", out=str(tmp_path / "run"), init_from="old", max_steps=2,
+                     tokenizer_data="news", **TINY).check()
+
+
 def test_another_architecture_or_vocabulary_is_refused_before_anything_is_made(old_run):
     root = old_run["root"]
     new_data = write_toy_corpus(root / "refused_domain", pairs=50, seed=1)

@@ -64,6 +64,9 @@ class TrainConfig:
                              "give --synthetic FOLDER (made by `python -m keras_transformer."
                              "back_translate`: docs/back_translation.md)")
         self._check_budget()
+        if self.model.init_from and self.data.tokenizer_data:
+            raise UsageError("--tokenizer-data trains a new vocabulary; --init-from keeps the "
+                             "trained run's: give one or the other")
         if self.output.overwrite and self.output.resume:
             raise UsageError("--overwrite and --resume contradict each other")
         return self.model.transformer(self.data.vocab_size)
