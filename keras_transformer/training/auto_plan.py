@@ -35,7 +35,6 @@ from keras_transformer.training.precision import (
     resolve_jit,
     resolve_precision,
 )
-from pipelines.corpora import CorpusError
 from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
 
 # Measured on this project's runs (BENCHMARKS.md): a whole run averages 4,902 target tokens/s
@@ -95,7 +94,7 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
         UsageError: no budget or too small a one, a budget that a cluster cannot measure,
             a resumed run planned with other settings, or no train split to count.
     """
-    recorded = _recorded_plan(config)
+    recorded = recorded_plan(config)
     if recorded is not None:
         report(f"--recipe auto: the plan of {config.output.out}'s config.json (measured once, "
                "when the run started)")
@@ -211,6 +210,8 @@ def _count(config: TrainConfig, corpora: dict[str, Any],
     if corpora.get("train") is None:
         raise UsageError("--recipe auto counts the training split, which is not here "
                          f"({corpora.get('train_error')})")
+    from pipelines.corpora import CorpusError  # (TensorFlow's: only where a corpus is read)
+
     report(f"--recipe auto: counting the training split of {config.data.data} ...")
     try:
         return corpus_statistics(corpora["train"].pairs())
@@ -326,7 +327,7 @@ def _request(config: TrainConfig) -> dict[str, Any]:
                       if name not in _NOT_PLANNED}}
 
 
-def _recorded_plan(config: TrainConfig) -> AutoPlan | None:
+def recorded_plan(config: TrainConfig) -> AutoPlan | None:
     """The plan in the run directory's config.json (a resume), or None for a fresh run.
 
     Raises:

@@ -23,11 +23,12 @@ from typing import Any
 from keras_transformer import run_directory
 from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
-from keras_transformer.training import fit_jax
+from keras_transformer.training import auto_plan, fit_jax
 from keras_transformer.training.config import TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.keras_backend import check_backend, finishing_command
 from keras_transformer.training.losses import validation_loss
+from keras_transformer.training.recipes import AUTO
 from pipelines import storage
 from pipelines.prepared_folder import PreparedFolder
 
@@ -52,6 +53,13 @@ def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
         raise UsageError("without TensorFlow, --backend jax trains from a folder prepared on "
                          "a machine with TensorFlow: pass --prepared DIR (made by python -m "
                          "keras_transformer.prepare).")
+    if config.recipe == AUTO:  # planned where TensorFlow read the corpus, or refused
+        plan = auto_plan.recorded_plan(config)
+        if plan is None:
+            raise UsageError("--recipe auto counts the corpus, which needs TensorFlow: start "
+                             "the run on a machine with it (or take the settings its --dry-run "
+                             "prints, with --budget-steps); a run planned there resumes here")
+        config = plan.config
     model_config = config.check()
     folder = PreparedFolder.load(config.data.prepared)
     folder.verify()
