@@ -67,7 +67,8 @@ class AutoPlan:
                  f"                 budget {record['budget']}; {record['plan_text']}",
                  rules.describe_choices({name: Choice(**choice) for name, choice
                                          in record["choices"].items()},
-                                        set(record["request"]["given"]))]
+                                        {name: value for name, value in
+                                         record["request"]["given"].items()})]
         return "\n".join(lines)
 
 
@@ -116,21 +117,25 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
     measured: dict[str, float] = {}
     for preset in candidates:
         chosen = dict(choices)
-        if preset != "given":
-            chosen["preset"] = Choice(preset, _preset_reason(stats, ceiling, preset, measured))
+        chosen["preset"] = Choice(ceiling if preset == "given" else preset,
+                                  _preset_reason(stats, ceiling, preset, measured))
         name = preset if preset != "given" else config.model.preset
         chosen["dropout"] = rules.dropout_choice(stats, name)
-        chosen["tokens_per_step"] = Choice(rules.TOKENS_PER_STEP.get(name, 4096),
-                                           f"the {'multi30k recipe' if name == 'small' else 'paper'}"
-                                           f"'s for {name}")
+        if "accumulate" not in config.given:  # (the two flags exclude each other)
+            chosen["tokens_per_step"] = rules.tokens_choice(name)
         trial = _apply(config, chosen)
+        # What the schedule depends on, as given flags may have changed them.
+        sizes = {"d_model": trial.model.transformer(trial.data.vocab_size).d_model,
+                 "tokens_per_step": trial.batches.budget(replicas, trial.data.max_length)
+                 .tokens_per_step}
         if budget.steps is not None:
-            schedule = rules.schedule_choices(stats, name, budget.steps, "--budget-steps")
+            schedule = rules.schedule_choices(stats, name, budget.steps, "--budget-steps",
+                                              **sizes)
             plan_text = f"{budget.steps:,} steps given"
         else:
             schedule, plan_text, measured[name] = _minutes_schedule(
                 trial, stats, name, corpora, started, precision, jit, replicas, report,
-                step_seconds)
+                step_seconds, sizes)
         steps = schedule["max_steps"].value
         last = preset == candidates[-1]
         if (preset == "given" or last or optimization.assume_step_seconds is not None
@@ -194,7 +199,7 @@ def _preset_reason(stats: CorpusStatistics, ceiling: str, preset: str,
     reason = (f"{stats.words:,} words support up to {ceiling} (base from "
               f"{rules.PRESET_FROM_WORDS['base']:,}, big from "
               f"{rules.PRESET_FROM_WORDS['big']:,})")
-    if preset != ceiling:
+    if preset not in (ceiling, "given"):
         reason += (f"; stepped down: the budget gives larger presets fewer steps than they need "
                    f"({', '.join(f'{rules.MIN_STEPS[p]:,} for {p}' for p in measured)})")
     return reason
@@ -222,8 +227,8 @@ def _count(config: TrainConfig, corpora: dict[str, Any],
 def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
                       corpora: dict[str, Any], started: float, precision: str, jit: bool,
                       replicas: int, report: Callable[[str], None],
-                      assumed: Callable[[TrainConfig], float] | None
-                      ) -> tuple[dict[str, Choice], str, float]:
+                      assumed: Callable[[TrainConfig], float] | None,
+                      sizes: dict[str, int]) -> tuple[dict[str, Choice], str, float]:
     """The schedule a minutes budget buys `preset`: its step measured here (or assumed), the
     time left after everything else the command does."""
     optimization = trial.optimization
@@ -248,8 +253,9 @@ def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
                          f"{max(training, 0) / 60:.1f} min to train {preset} after the rest of "
                          f"the command ({(spent + prepare + end) / 60:.1f} min); give at least "
                          f"{math.ceil(needed)}")
-    schedule = {**rules.budget_minutes_choices(stats, preset, training, run_step), **grid}
-    text = (f"a step of {trial.batches.tokens_per_step:,} tokens takes {step_seconds:.3f} s "
+    schedule = {**rules.budget_minutes_choices(stats, preset, training, run_step, **sizes),
+                **grid}
+    text = (f"a step of {sizes['tokens_per_step']:,} tokens takes {step_seconds:.3f} s "
             f"{how}, {run_step:.3f} s with the run's overheads (x{RUN_OVERHEAD}); of "
             f"{budget_seconds / 60:.1f} min, {spent / 60:.1f} went to starting, counting and "
             f"measuring, ~{prepare / 60:.1f} go to preparing the data, ~{end / 60:.1f} to the "
@@ -291,7 +297,8 @@ def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: floa
     units = _decode_units(beams or evaluation.val_beams, evaluation.val_alphas,
                           evaluation.beam) if evaluation.choose_by == "bleu" else 1.0
     # Per sentence, relative to a 4,096-token step of this model.
-    per_sentence = DECODE_STEPS_PER_SENTENCE * step_seconds * 4096 / trial.batches.tokens_per_step
+    tokens = trial.batches.budget(1, trial.data.max_length).tokens_per_step
+    per_sentence = DECODE_STEPS_PER_SENTENCE * step_seconds * 4096 / tokens
     return (units * val + 1.5 * tests) * per_sentence + EXPORT_SECONDS
 
 

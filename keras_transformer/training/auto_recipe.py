@@ -125,27 +125,29 @@ class Budget:
 
 
 def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
-                     why_steps: str) -> dict[str, Choice]:
+                     why_steps: str, *, d_model: int | None = None,
+                     tokens_per_step: int | None = None) -> dict[str, Choice]:
     """The steps (the budget's, at most `MAX_PASSES` over the data), warmup, peak rate,
     cooldown and checkpoint cadence of a run of `preset` that the budget gives
-    `budget_steps` steps."""
-    tokens = TOKENS_PER_STEP[preset]
+    `budget_steps` steps. `d_model` and `tokens_per_step` default to the preset's (given
+    flags may change them); a preset without a tuned rate (`tiny`) takes `small`'s."""
+    tokens = tokens_per_step or TOKENS_PER_STEP.get(preset, TOKENS_PER_STEP["small"])
+    width = d_model or D_MODEL.get(preset, D_MODEL["small"])
     most = max(1, int(MAX_PASSES / passes_per_step(stats, tokens)))
     steps = min(budget_steps, most)
     steps_reason = why_steps if steps == budget_steps else (
         f"{MAX_PASSES} passes over the data ({most:,} steps of {tokens:,} tokens): the budget's "
         f"{budget_steps:,} would overfit it, so the run ends early")
     warmup = min(4000, round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
-    peak = PEAK_RATE[preset]
-    lr_scale = round(peak * math.sqrt(D_MODEL[preset] * warmup), 4)
+    peak = PEAK_RATE.get(preset, PEAK_RATE["small"])
+    lr_scale = round(peak * math.sqrt(width * warmup), 4)
     every = max(10, round_to(steps / CHECKPOINTS_PER_RUN, 10 if steps < 4200 else 50))
     return {
         "max_steps": Choice(steps, steps_reason),
-        "tokens_per_step": Choice(tokens, f"the {'multi30k recipe' if preset == 'small' else 'paper'}"
-                                  f"'s for {preset}"),
         "warmup_steps": Choice(warmup, f"{WARMUP_SHARE:.0%} of the steps (multi30k: 1,000 of "
                                "4,200), at most the paper's 4,000"),
-        "lr_scale": Choice(lr_scale, f"a peak rate of {peak:.2e} ({preset}'s as tuned), reached "
+        "lr_scale": Choice(lr_scale, f"a peak rate of {peak:.2e} "
+                           f"({preset if preset in PEAK_RATE else 'small'}'s as tuned), reached "
                            f"at step {warmup}"),
         "cooldown": Choice(COOLDOWN, "the rate falls linearly to 0 over the last 20% of the "
                            "steps: the run ends annealed at its budget"),
@@ -154,6 +156,13 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
         "validate_every": Choice(2 * every, "every second checkpoint"),
         "average_last": Choice(5, "the paper's 5 (6.1), chosen against the best on val"),
     }
+
+
+def tokens_choice(preset: str) -> Choice:
+    """The tokens of a step: `TOKENS_PER_STEP` (`tiny`: `small`'s)."""
+    tokens = TOKENS_PER_STEP.get(preset, TOKENS_PER_STEP["small"])
+    source = "the paper" if tokens == TOKENS_PER_STEP["base"] else "the multi30k recipe"
+    return Choice(tokens, f"{source}'s, for {preset}")
 
 
 def data_choices(stats: CorpusStatistics) -> dict[str, Choice]:
@@ -172,22 +181,24 @@ def data_choices(stats: CorpusStatistics) -> dict[str, Choice]:
 
 
 def budget_minutes_choices(stats: CorpusStatistics, preset: str, training_seconds: float,
-                           step_seconds: float) -> dict[str, Choice]:
+                           step_seconds: float, **sizes: int | None) -> dict[str, Choice]:
     """`schedule_choices` for a minutes budget: the steps that `training_seconds` hold at
     `step_seconds` (measured, with the run's overheads), and a --max-minutes guard."""
     steps = max(1, int(training_seconds / step_seconds))
     choices = schedule_choices(stats, preset, steps, f"{training_seconds / 60:.1f} min of "
-                               f"training at {step_seconds:.3f} s a step")
+                               f"training at {step_seconds:.3f} s a step", **sizes)
     planned = choices["max_steps"].value * step_seconds / 60
     choices["max_minutes"] = Choice(round(max(1.0, 1.25 * planned), 1),
                                     f"a guard: 1.25x the {planned:.1f} training minutes planned")
     return choices
 
 
-def describe_choices(choices: dict[str, Choice], given: set[str]) -> str:
-    """The dry run's table: each setting, its value and why (or that a flag gave it)."""
+def describe_choices(choices: dict[str, Choice], given: dict[str, Any]) -> str:
+    """The dry run's table: each setting, its value and why; a flag given wins (`given`:
+    the values of the flags given), and the line says what auto would have chosen."""
     width = max(len(name) for name in choices) + 3
     return "\n".join(f"    --{name.replace('_', '-'):<{width}}"
-                     + (f"(given: the flag wins over {choice.value})" if name in given
+                     + (f"{given[name]}  (given as a flag; auto: {choice.value}, "
+                        f"{choice.reason})" if name in given
                         else f"{choice.value}  ({choice.reason})")
                      for name, choice in choices.items())
