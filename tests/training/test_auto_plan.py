@@ -1,0 +1,354 @@
+"""`--recipe auto` applied to a run (issue 39): the budget flags' checks, `plan_run` on a toy
+corpus (steps given, minutes with an assumed or a measured step, too small a budget), a resumed
+run reading its plan back from config.json (never measuring twice, refusing changed flags), and
+one tiny end-to-end run whose results.json reports its budget."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from keras_transformer.errors import UsageError
+from keras_transformer.flags import parse_train_args
+from keras_transformer.run_directory import run_record
+from keras_transformer.training import auto_plan, run_data
+from keras_transformer.training import auto_recipe as rules
+from keras_transformer.training.config import train_config
+from keras_transformer.training.run import run_training
+from tests.cli.test_train import write_toy_corpus
+
+# A tiny model under --recipe auto: the preset is left to auto (small), its sizes given (the
+# schedule follows them). --vocab-size is given because the toy languages have ~120 distinct
+# words, for which auto would choose fewer than the 300 pieces allowed (a library bug: see
+# test_auto_recipe.py). The val grid is given small, and so is the step.
+TOY = dict(src="xx", tgt="yy", vocab_size=300, max_length=32, tokens_per_batch=512,
+           tokens_per_step=512, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+           precision="float32")
+RUN = dict(TOY, no_export=True, test_limit=10, beam=2, val_beams="2", val_alphas="0.6")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """3,000 toy pairs: enough that 40 passes (230 steps of 4,096 tokens) exceed a minutes
+    budget's steps here, so that the cap does not hide the arithmetic."""
+    return write_toy_corpus(tmp_path_factory.mktemp("auto_corpus") / "toy", pairs=3000)
+
+
+def plan(out, *, data, workers=1, corpora=None, **flags):
+    """`plan_run` as `run_training` calls it; returns (the plan, the lines it reported)."""
+    config = train_config(recipe="auto", data=str(data), out=str(out), **flags)
+    config.check()
+    lines: list[str] = []
+    result = auto_plan.plan_run(config, corpora or run_data.load_corpora(config), replicas=1,
+                                workers=workers, started=time.perf_counter(),
+                                precision="float32", jit=False, report=lines.append)
+    return result, lines
+
+
+def value(result, name):
+    return result.record["choices"][name]["value"]
+
+
+def measured(lines) -> bool:
+    return any("measuring" in line for line in lines)
+
+
+# The budget flags' checks (TrainConfig.check).
+
+REQUIRED = dict(data="corpus", src="xx", tgt="yy", out="run")
+ARGV = ["--data", "corpus", "--src", "xx", "--tgt", "yy", "--out", "run"]
+
+@pytest.mark.parametrize("flags, named", [
+    (dict(budget_minutes=30), "--budget-minutes"), (dict(budget_steps=100), "--budget-steps"),
+    (dict(assume_step_seconds=0.5), "--assume-step-seconds"),
+    (dict(budget_steps=100, assume_step_seconds=0.5), "--budget-steps, --assume-step-seconds")])
+def test_budget_flags_without_recipe_auto_are_refused(flags, named):
+    for recipe in (None, "multi30k"):
+        with pytest.raises(UsageError) as refused:
+            train_config(recipe, **REQUIRED, **flags).check()
+        message = str(refused.value)
+        assert message.startswith(named) and "add --recipe auto" in message
+        assert "--max-steps/--max-minutes" in message
+
+
+@pytest.mark.parametrize("flags, both", [({}, False),
+                                         (dict(budget_minutes=30, budget_steps=100), True)])
+def test_recipe_auto_needs_exactly_one_budget(flags, both):
+    with pytest.raises(UsageError) as refused:
+        train_config("auto", **REQUIRED, **flags).check()
+    message = str(refused.value)
+    assert "--recipe auto needs one budget" in message
+    assert "--budget-minutes M" in message and "--budget-steps N" in message
+    assert message.endswith(", not both") == both
+
+
+@pytest.mark.parametrize("flag", [dict(max_steps=500), dict(epochs=3)])
+def test_recipe_auto_sets_the_steps_itself(flag):
+    with pytest.raises(UsageError, match="give --budget-steps N instead of --max-steps/--epochs"):
+        train_config("auto", budget_steps=100, **REQUIRED, **flag).check()
+
+
+def test_the_command_line_records_which_flags_were_given():
+    config, _ = parse_train_args([*ARGV, "--recipe", "auto", "--budget-steps", "100",
+                                  "--dropout", "0.25"])
+    assert config.given == {"budget_steps", "dropout", *REQUIRED}
+    assert config.recipe == "auto"
+    config.check()  # one budget, no --max-steps: accepted
+    config, _ = parse_train_args([*ARGV, "--recipe", "auto", "--budget-steps", "100",
+                                  "--max-steps", "5"])
+    with pytest.raises(UsageError, match="--budget-steps N instead"):
+        config.check()
+    # --budget-minutes and --assume-step-seconds together are one budget, and allowed.
+    config, _ = parse_train_args([*ARGV, "--recipe", "auto", "--budget-minutes", "30",
+                                  "--assume-step-seconds", "0.5"])
+    config.check()
+
+
+# plan_run on the toy corpus.
+
+def test_a_steps_budget_measures_nothing_and_the_given_flags_win(corpus, tmp_path):
+    result, lines = plan(tmp_path / "run", data=corpus, budget_steps=120,
+                         **{**TOY, "max_length": 48, "dropout": 0.15})
+    assert any("counting the training split" in line for line in lines)
+    assert not measured(lines)
+    record, config = result.record, result.config
+    assert record["measured_step_seconds"] == {}
+    assert record["budget"] == "120 steps" and record["plan_text"] == "120 steps given"
+    assert record["statistics"]["pairs"] == 3000
+    assert "3,000 pairs" in record["statistics_text"]
+    # The choices applied.
+    assert config.recipe == "auto"
+    assert config.optimization.max_steps == value(result, "max_steps") == 120
+    assert record["choices"]["max_steps"]["reason"] == "--budget-steps"
+    assert config.model.preset == value(result, "preset") == "small"  # ~33,000 words
+    assert config.optimization.cooldown == 0.2
+    assert config.optimization.warmup_steps == value(result, "warmup_steps")
+    assert config.output.checkpoint_every == value(result, "checkpoint_every")
+    assert config.evaluation.patience == 0 and config.evaluation.choose_by == "bleu"
+    # The given flags kept, over what auto chose (and recorded as the request).
+    assert (config.data.vocab_size, config.data.max_length, config.model.dropout) == (
+        300, 48, 0.15)
+    assert config.batches.tokens_per_step == 512 and config.model.d_model == 32
+    assert value(result, "max_length") == 128 and value(result, "dropout") != 0.15
+    given = record["request"]["given"]
+    assert given["vocab_size"] == 300 and given["budget_steps"] == 120
+    assert "out" not in given  # where the run writes is not part of the plan
+    text = result.describe()
+    assert "budget 120 steps" in text
+    for flag, given_value in (("--vocab-size", "300"), ("--max-length", "48"),
+                              ("--dropout", "0.15")):
+        line = next(line for line in text.splitlines() if line.strip().startswith(flag + " "))
+        assert line.split()[1] == given_value and "(given as a flag; auto: " in line, line
+    warmup = next(line for line in text.splitlines() if "--warmup-steps" in line)
+    assert "given" not in warmup and "24% of the steps" in warmup
+    config.check()
+
+
+@pytest.mark.xfail(strict=True, raises=UsageError,
+                   reason="LIBRARY BUG (issue 39, reported): a corpus of fewer than 1,200 "
+                   "distinct words gets a vocabulary under 300 pieces (here 50), and the plan "
+                   "is refused: '--vocab-size must be >= 300', a flag the user did not give")
+def test_a_corpus_of_few_distinct_words_is_planned(corpus, tmp_path):
+    flags = {name: setting for name, setting in TOY.items() if name != "vocab_size"}
+    result, _ = plan(tmp_path / "run", data=corpus, budget_steps=100, **flags)
+    assert value(result, "vocab_size") >= 300
+
+
+def test_a_steps_budget_beyond_40_passes_is_cut_to_them(corpus, tmp_path):
+    result, _ = plan(tmp_path / "run", data=corpus, budget_steps=100_000, **TOY)
+    steps = value(result, "max_steps")
+    assert steps < 100_000 and "40 passes over the data" in (
+        result.record["choices"]["max_steps"]["reason"])
+    assert result.config.optimization.max_steps == steps
+
+
+def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_path):
+    plans = {}
+    for seconds in (1.0, 2.0):
+        result, lines = plan(tmp_path / f"run{seconds}", data=corpus, budget_minutes=8,
+                             assume_step_seconds=seconds, **TOY)
+        assert not measured(lines)
+        assert result.record["measured_step_seconds"] == {"small": seconds}
+        assert "assumed (--assume-step-seconds)" in result.record["plan_text"]
+        plans[seconds] = result
+    fast, slow = value(plans[1.0], "max_steps"), value(plans[2.0], "max_steps")
+    for seconds, steps in ((1.0, fast), (2.0, slow)):
+        run_step = seconds * auto_plan.RUN_OVERHEAD
+        reason = plans[seconds].record["choices"]["max_steps"]["reason"]
+        assert f"at {run_step:.3f} s a step" in reason  # the seconds, not the 40 passes
+        # The training fits the budget, less the start, the data and the end (~1 min here).
+        assert 6 * 60 < steps * run_step < 8 * 60 - auto_plan.STARTUP_SECONDS
+        assert value(plans[seconds], "max_minutes") == round(1.25 * steps * run_step / 60, 1)
+        assert plans[seconds].config.optimization.max_minutes == value(plans[seconds],
+                                                                       "max_minutes")
+    # Twice the seconds, about half the steps (the estimate of the end grows with them too).
+    assert 1.9 < fast / slow < 2.2
+
+
+def test_too_small_a_minutes_budget_is_refused_with_the_minimum(corpus, tmp_path):
+    with pytest.raises(UsageError) as refused:
+        plan(tmp_path / "run", data=corpus, budget_minutes=1, assume_step_seconds=0.5, **TOY)
+    message = str(refused.value)
+    assert message.startswith("--budget-minutes 1 leaves")
+    minimum = int(message.rsplit("give at least ", 1)[1])
+    assert minimum > 1
+    result, _ = plan(tmp_path / "run", data=corpus, budget_minutes=minimum,
+                     assume_step_seconds=0.5, **TOY)  # the minimum given is enough
+    assert value(result, "max_steps") >= 50
+
+
+@pytest.mark.xfail(strict=True, reason="LIBRARY BUG (issue 39, reported): plan_run merges the "
+                   "corpus choices after the schedule's, so the minutes budget's 'val_beams 4' "
+                   "(the val grid shrunk to fit the budget, and assumed in the plan's estimate "
+                   "of the end) is replaced by the full grid '4,6'")
+def test_a_short_minutes_budget_shrinks_the_val_grid(corpus, tmp_path):
+    result, _ = plan(tmp_path / "run", data=corpus, budget_minutes=3, assume_step_seconds=0.5,
+                     **TOY)
+    # The full grid's end (~50 s of decoding estimates and export) is over 15% of 3 minutes.
+    assert value(result, "val_beams") == "4"
+    assert result.config.evaluation.val_beams == "4"
+
+
+TINY = dict(src="xx", tgt="yy", preset="tiny", vocab_size=300, max_length=32,
+            tokens_per_batch=512, tokens_per_step=512, precision="float32")
+
+
+def test_a_given_tiny_preset_is_planned_with_small_s_rules(corpus, tmp_path):
+    result, lines = plan(tmp_path / "run", data=corpus, budget_steps=50, **TINY)
+    assert not measured(lines)
+    assert result.config.model.preset == "tiny" and result.config.model.d_model is None
+    assert result.record["request"]["given"]["preset"] == "tiny"
+    assert value(result, "max_steps") == 50 and result.config.batches.tokens_per_step == 512
+    # small's peak rate, at tiny's width (32) and the warmup chosen (10 of 50 steps).
+    assert value(result, "warmup_steps") == 10
+    assert value(result, "lr_scale") == round(rules.PEAK_RATE["small"] * (32 * 10) ** 0.5, 4)
+
+
+def test_a_minutes_budget_measures_a_step_once_and_a_resume_reads_it_back(corpus, tmp_path):
+    out = tmp_path / "run"
+    flags = dict(data=corpus, budget_minutes=10, **TINY)
+    result, lines = plan(out, **flags)
+    assert [line for line in lines if "measuring" in line] == [
+        "--recipe auto: measuring a tiny step of 512 tokens on this machine ..."]
+    seconds = result.record["measured_step_seconds"]["tiny"]
+    assert 0 < seconds < 10
+    assert "measured here (float32, XLA off)" in result.record["plan_text"]
+    assert f"takes {seconds:.3f} s" in result.record["plan_text"]
+    # A resume: config.json holds the plan (as run_training writes it); nothing is measured
+    # or counted again, and the settings are those recorded.
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(
+        {"arguments": result.config.flags(), "auto": result.record}))
+    again, lines = plan(out, **flags)
+    assert len(lines) == 1 and "the plan of" in lines[0] and "config.json" in lines[0]
+    assert again.record == result.record
+    assert again.config.optimization == result.config.optimization
+    assert again.config.model == result.config.model
+    assert again.config.given == result.config.given
+    # --overwrite plans again (a steps budget here: nothing to measure).
+    steps = {name: setting for name, setting in flags.items() if name != "budget_minutes"}
+    _, lines = plan(out, **steps, budget_steps=20, overwrite=True)
+    assert any("counting the training split" in line for line in lines)
+
+
+def test_what_cannot_be_planned_is_refused(corpus, tmp_path):
+    with pytest.raises(UsageError, match="measured on one machine: a cluster gives "
+                       "--budget-steps N"):
+        plan(tmp_path / "a", data=corpus, workers=2, budget_minutes=10, **TOY)
+    with pytest.raises(UsageError, match="--init-from keeps a trained run's"):
+        plan(tmp_path / "b", data=corpus, budget_steps=10, init_from=str(tmp_path), **TOY)
+    with pytest.raises(UsageError, match="counts the training split, which is not here"):
+        plan(tmp_path / "c", data=corpus, budget_steps=10,
+             corpora={"train": None, "train_error": "no train files"}, **TOY)
+
+
+# One tiny end-to-end run (~15 s): 6 steps planned by auto.
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto_run")
+    data = write_toy_corpus(root / "toy", pairs=600)
+    flags = dict(recipe="auto", data=str(data), out=str(root / "run"), budget_steps=6, **RUN)
+    results = run_training(train_config(**flags))
+    return {"flags": flags, "out": root / "run", "results": results}
+
+
+def test_the_run_reports_its_budget(auto_run):
+    results, out = auto_run["results"], auto_run["out"]
+    budget = results["budget"]
+    assert budget["budget"] == "6 steps"
+    assert budget["steps_planned"] == budget["steps_trained"] == results["steps"] == 6
+    assert budget["command_minutes"] >= budget["training_minutes"]
+    assert "6 of the 6 steps planned" in budget["message"]
+    assert json.loads((out / "results.json").read_text())["budget"] == budget
+
+
+def test_the_run_records_its_plan_in_config_json(auto_run):
+    recorded = json.loads((auto_run["out"] / "config.json").read_text())
+    auto = recorded["auto"]
+    assert auto["choices"]["max_steps"] == {"value": 6, "reason": "--budget-steps"}
+    assert set(auto["choices"]) >= {"preset", "dropout", "vocab_size", "warmup_steps",
+                                    "lr_scale", "cooldown", "checkpoint_every", "max_length"}
+    assert auto["request"]["given"]["budget_steps"] == 6
+    assert auto["measured_step_seconds"] == {}
+    arguments = recorded["arguments"]
+    assert arguments["recipe"] == "auto" and arguments["max_steps"] == 6
+    assert arguments["cooldown"] == 0.2
+    assert arguments["dropout"] == auto["choices"]["dropout"]["value"]
+    assert arguments["vocab_size"] == 300  # given
+    # The schedule depends on the run's length: the identity holds both.
+    assert recorded["identity"]["cooldown"] == 0.2 and recorded["identity"]["max_steps"] == 6
+
+
+def test_planning_the_finished_run_again_reads_its_plan(auto_run):
+    flags = dict(auto_run["flags"])
+    config = train_config(**flags)
+    lines: list[str] = []
+    again = auto_plan.plan_run(config, run_data.load_corpora(config), replicas=1, workers=1,
+                               started=time.perf_counter(), precision="float32", jit=False,
+                               report=lines.append)
+    assert len(lines) == 1 and "the plan of" in lines[0]
+    recorded = json.loads((auto_run["out"] / "config.json").read_text())
+    assert again.record == recorded["auto"]
+    assert again.config.optimization.max_steps == recorded["arguments"]["max_steps"] == 6
+    assert again.config.model.dropout == recorded["arguments"]["dropout"]
+
+
+@pytest.mark.xfail(strict=True, reason="LIBRARY BUG (issue 39, reported): recorded_plan "
+                   "replaces the resumed config's whole OutputConfig with the new command's, "
+                   "so the planned --checkpoint-every is lost (the default 200 comes back) and "
+                   "run_training refuses to resume any --recipe auto run: 'trained with "
+                   "different settings (checkpoint_every)'")
+def test_a_resumed_plan_keeps_every_planned_setting(auto_run):
+    config = train_config(**auto_run["flags"])
+    again = auto_plan.plan_run(config, {}, replicas=1, workers=1, started=time.perf_counter(),
+                               precision="float32", jit=False, report=lambda line: None)
+    recorded = json.loads((auto_run["out"] / "config.json").read_text())
+    assert again.config.flags() == recorded["arguments"]
+    # What run_training compares before it resumes a run directory.
+    resumed = run_record(again.config, again.config.check())
+    assert resumed["identity"] == recorded["identity"]
+
+
+@pytest.mark.parametrize("change, named", [(dict(budget_steps=7), "budget_steps"),
+                                           (dict(dropout=0.1), "dropout"),
+                                           (dict(val_beams=None), "val_beams")])
+def test_resuming_with_other_flags_is_refused(auto_run, change, named):
+    flags = {**auto_run["flags"], **change}
+    flags = {name: setting for name, setting in flags.items() if setting is not None}
+    config = train_config(**flags)
+    with pytest.raises(UsageError) as refused:
+        auto_plan.plan_run(config, {}, replicas=1, workers=1, started=time.perf_counter(),
+                           precision="float32", jit=False, report=lambda line: None)
+    message = str(refused.value)
+    assert f"with other settings ({named})" in message
+    assert "use the original flags to resume, --overwrite to plan again" in message
+
+
+def test_rules_cover_every_planned_setting(auto_run):
+    """Each choice names a real flag of the run (a typo would be silently dropped)."""
+    recorded = json.loads((auto_run["out"] / "config.json").read_text())
+    assert set(recorded["auto"]["choices"]) <= set(recorded["arguments"])
+    assert rules.COOLDOWN == recorded["arguments"]["cooldown"]

@@ -1,0 +1,314 @@
+"""`--recipe auto`'s rules (issue 39): each reproduces its anchors (the `multi30k` recipe on
+Multi30k's own statistics, the paper's settings at WMT14's size), moves the right way with the
+corpus size, and the budget arithmetic and the cooldown schedule hold. Pure: no run, no model."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import pytest
+
+from keras_transformer.training import auto_recipe as rules
+from keras_transformer.training.optimizer import NoamSchedule
+from keras_transformer.training.recipes import RECIPES
+from pipelines.corpora import load_corpus
+from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
+
+# WMT14 en-de at the paper's size: 4.5M pairs, ~2.2e8 words of both sides, >1M distinct words.
+WMT14 = CorpusStatistics(pairs=4_500_000, source_words=108_000_000, target_words=112_000_000,
+                         word_types=1_500_000, long_source=120, long_target=125)
+
+
+def statistics(words: int, word_types: int | None = None, pairs: int | None = None
+               ) -> CorpusStatistics:
+    """A corpus of `words` (both sides) shaped like Multi30k: 23 words a pair, 6% distinct."""
+    pairs = pairs or max(1, words // 23)
+    word_types = word_types or max(1, int(0.06 * words))
+    return CorpusStatistics(pairs, words // 2, words - words // 2, word_types, 30, 31)
+
+
+@pytest.fixture(scope="module")
+def multi30k(multi30k_dir) -> CorpusStatistics:
+    """Multi30k de-en train's statistics, counted from the release (a second or two)."""
+    train = load_corpus(str(multi30k_dir), "train", "de", "en")
+    return corpus_statistics(zip(train.sources, train.targets, strict=True))
+
+
+def test_multi30k_is_counted_as_the_rules_anchor_it(multi30k):
+    assert multi30k.pairs == 29_000
+    assert multi30k.words == rules.MULTI30K_WORDS == 667_403
+    assert multi30k.word_types == 39_491
+    assert multi30k.long_source <= multi30k.long_target < 50  # captions: short sentences
+
+
+def test_on_multi30k_auto_chooses_the_multi30k_recipe(multi30k):
+    recipe = RECIPES["multi30k"]
+    preset = rules.preset_ceiling(multi30k)
+    chosen = {**rules.data_choices(multi30k),
+              **rules.schedule_choices(multi30k, preset, recipe["max_steps"], "the budget"),
+              "preset": rules.Choice(preset, ""),
+              "tokens_per_step": rules.tokens_choice(preset),
+              "dropout": rules.dropout_choice(multi30k, preset)}
+    values = {name: choice.value for name, choice in chosen.items()}
+    assert values["vocab_size"] == 8000 and values["dropout"] == 0.2
+    assert values["preset"] == "small"
+    assert values["max_steps"] == 4200  # the MAX_PASSES cap does not bind at 4,200
+    assert chosen["max_steps"].reason == "the budget"
+    shared = sorted(set(values) & set(recipe))
+    assert {"vocab_size", "dropout", "preset", "max_length", "warmup_steps", "lr_scale",
+            "checkpoint_every", "validate_every", "average_last", "label_smoothing",
+            "choose_by", "val_beams", "val_alphas", "patience"} <= set(shared)
+    assert {name: values[name] for name in shared} == {name: recipe[name] for name in shared}
+    # The recipe's step is 4,096 tokens, its batch and its step alike.
+    assert values["tokens_per_step"] == recipe["tokens_per_batch"] == 4096
+    # What auto adds to the recipe: the rate ends annealed.
+    assert values["cooldown"] == rules.COOLDOWN == 0.2
+
+
+def test_on_a_corpus_of_multi30k_size_the_rules_need_no_real_text():
+    stats = statistics(rules.MULTI30K_WORDS, word_types=39_491, pairs=29_000)
+    assert rules.vocabulary_choice(stats).value == 8000
+    assert rules.dropout_choice(stats, "small").value == 0.2
+    assert rules.preset_ceiling(stats) == "small"
+
+
+def test_at_wmt14_size_auto_chooses_the_papers_settings():
+    assert rules.vocabulary_choice(WMT14).value == 37_000
+    assert rules.preset_ceiling(WMT14) == "big"
+    assert rules.dropout_choice(WMT14, "base").value == 0.1
+    assert rules.dropout_choice(WMT14, "big").value == 0.3  # Table 3's big
+    assert rules.max_length_choice(WMT14).value == 256
+    for preset in ("base", "big"):
+        schedule = rules.schedule_choices(WMT14, preset, 100_000, "the budget")
+        assert schedule["max_steps"].value == 100_000
+        assert rules.tokens_choice(preset).value == 25_000  # 5.1
+        assert schedule["warmup_steps"].value == 4000  # 5.3
+        assert schedule["lr_scale"].value == 1.0  # the paper's rate, unscaled
+
+
+@pytest.mark.parametrize("words, preset", [
+    (667_403, "small"), (4_999_999, "small"), (5_000_000, "base"), (99_999_999, "base"),
+    (100_000_000, "big"), (2_000_000_000, "big")])
+def test_the_preset_ceiling_grows_with_the_words(words, preset):
+    assert rules.preset_ceiling(statistics(words)) == preset
+
+
+SIZES = [3_000, 30_000, 300_000, 667_403, 3_000_000, 30_000_000, 300_000_000, 3_000_000_000]
+
+
+def test_vocabulary_grows_and_dropout_falls_with_the_corpus():
+    vocabularies = [rules.vocabulary_choice(statistics(words)).value for words in SIZES]
+    dropouts = [rules.dropout_choice(statistics(words), "small").value for words in SIZES]
+    assert vocabularies == sorted(vocabularies) and vocabularies[0] < vocabularies[-1]
+    assert dropouts == sorted(dropouts, reverse=True) and dropouts[0] > dropouts[-1]
+    assert max(vocabularies) == 37_000  # the paper's, never more
+    assert (min(dropouts), max(dropouts)) == (0.1, 0.3)  # within [0.1, 0.3]
+
+
+@pytest.mark.parametrize("word_types", [1_200, 4_000, 10_000, 39_491, 100_000])
+def test_the_vocabulary_is_at_most_a_quarter_of_the_distinct_words(word_types):
+    """A quarter of the distinct words caps the pieces, whatever the word count (to the
+    rounding of the rule: 50 pieces below 1,000, else 500)."""
+    for words in (1_000_000, 100_000_000):
+        value = rules.vocabulary_choice(statistics(words, word_types=word_types)).value
+        step = 500 if word_types / 4 >= 1000 else 50
+        assert value <= word_types / 4 + step / 2, (words, word_types, value)
+    # At 1e8 words the rule alone would give ~35,900 pieces: the quarter binds.
+    assert rules.vocabulary_choice(statistics(100_000_000, word_types=word_types)).value == (
+        rules.round_to(word_types / 4, step))
+
+
+@pytest.mark.xfail(strict=True, reason="LIBRARY BUG (issue 39, reported): rounding to the "
+                   "nearest 500 (or 50) can put the vocabulary above the quarter of the "
+                   "distinct words it is capped at (11,000 words -> 3,000 pieces > 2,750)")
+@pytest.mark.parametrize("word_types", [1_500, 11_000])
+def test_rounding_never_lifts_the_vocabulary_above_the_quarter(word_types):
+    value = rules.vocabulary_choice(statistics(10_000_000, word_types=word_types)).value
+    assert value <= word_types / 4
+
+
+@pytest.mark.xfail(strict=True, reason="LIBRARY BUG (issue 39, reported): on fewer than 1,200 "
+                   "distinct words the vocabulary falls below the 300 pieces that "
+                   "DataConfig.check requires, so a --recipe auto run is refused with "
+                   "'--vocab-size must be >= 300' although --vocab-size was not given")
+@pytest.mark.parametrize("word_types", [100, 1_000])
+def test_the_vocabulary_is_never_below_the_tokenizers_minimum(word_types):
+    assert rules.vocabulary_choice(statistics(50_000, word_types=word_types)).value >= 300
+
+
+def test_the_length_limit_follows_the_longest_sentences(multi30k):
+    assert rules.max_length_choice(multi30k).value == 128
+    long = CorpusStatistics(1000, 20_000, 20_000, 5000, long_source=150, long_target=40)
+    assert rules.max_length_choice(long).value == 256  # 150 words ~ 196 pieces
+
+
+def test_max_passes_caps_the_steps_on_a_small_corpus_only(multi30k):
+    small = statistics(230_000, word_types=20_000, pairs=10_000)
+    most = int(rules.MAX_PASSES / rules.passes_per_step(small, 4096))
+    assert 1000 <= most < 4200  # warmup rounds to 100 steps there
+    capped = rules.schedule_choices(small, "small", 4200, "the budget")
+    assert capped["max_steps"].value == most
+    reason = capped["max_steps"].reason
+    assert f"{rules.MAX_PASSES} passes" in reason and "4,200" in reason and "overfit" in reason
+    # The rest of the schedule follows the capped steps.
+    assert capped["warmup_steps"].value == rules.round_to(rules.WARMUP_SHARE * most, 100)
+    assert capped["validate_every"].value == 2 * capped["checkpoint_every"].value
+    # Multi30k at 4,200 steps reads it ~35 times: under the cap, which then does not bind.
+    passes = 4200 * rules.passes_per_step(multi30k, 4096)
+    assert 30 < passes < rules.MAX_PASSES
+    assert rules.schedule_choices(multi30k, "small", 4200, "x")["max_steps"].value == 4200
+
+
+def test_the_schedule_follows_given_sizes(multi30k):
+    """A given --tokens-per-step moves the 40-pass cap, a given --d-model the rate's scale
+    (the peak rate stays the preset's), and a preset without tuned values takes small's."""
+    default = rules.schedule_choices(multi30k, "small", 100_000, "x")
+    eighth = rules.schedule_choices(multi30k, "small", 100_000, "x", tokens_per_step=512)
+    assert default["max_steps"].value == int(
+        rules.MAX_PASSES / rules.passes_per_step(multi30k, 4096))
+    assert eighth["max_steps"].value == int(rules.MAX_PASSES / rules.passes_per_step(
+        multi30k, 512))
+    assert 7.9 < eighth["max_steps"].value / default["max_steps"].value < 8.1
+    assert "of 512 tokens" in eighth["max_steps"].reason
+    narrow = rules.schedule_choices(multi30k, "small", 4200, "x", d_model=64)
+    assert narrow["lr_scale"].value == pytest.approx(0.5 * (64 / 256) ** 0.5, abs=1e-4)
+    tiny = rules.schedule_choices(multi30k, "tiny", 4200, "x")
+    assert {name: choice.value for name, choice in tiny.items()} == {
+        name: choice.value for name, choice in
+        rules.schedule_choices(multi30k, "small", 4200, "x").items()}
+    assert rules.tokens_choice("tiny").value == 4096
+
+
+def test_a_minutes_budget_becomes_steps_and_a_guard(multi30k):
+    choices = rules.budget_minutes_choices(multi30k, "small", training_seconds=3600,
+                                           step_seconds=0.9)
+    assert choices["max_steps"].value == 4000  # 3,600 s / 0.9 s
+    assert "60.0 min of training at 0.900 s a step" in choices["max_steps"].reason
+    assert choices["max_minutes"].value == 75.0  # 1.25 x the 60 minutes planned
+    # Where the cap binds, the guard follows the capped steps, not the seconds given.
+    capped = rules.budget_minutes_choices(multi30k, "small", 3600, 0.1)
+    steps = capped["max_steps"].value
+    assert steps < 36_000 and "passes" in capped["max_steps"].reason
+    assert capped["max_minutes"].value == round(1.25 * steps * 0.1 / 60, 1)
+    # Never under a minute; never zero steps.
+    tiny = rules.budget_minutes_choices(multi30k, "small", 1.0, 5.0)
+    assert tiny["max_steps"].value == 1 and tiny["max_minutes"].value == 1.0
+
+
+def test_describe_choices_names_each_flag_and_the_given_ones():
+    choices = {"vocab_size": rules.Choice(8000, "why"), "dropout": rules.Choice(0.2, "because")}
+    vocab, dropout = rules.describe_choices(choices, {"dropout": 0.15}).splitlines()
+    assert vocab.split() == ["--vocab-size", "8000", "(why)"]
+    # A given flag: its value, and what auto would have chosen.
+    assert dropout.split()[:2] == ["--dropout", "0.15"]
+    assert "(given as a flag; auto: 0.2, because)" in dropout
+
+
+def test_corpus_statistics_counts_exactly():
+    pairs = [("the cat sat", "die Katze saß"), ("the dog", "der Hund"),
+             ("a cat and a dog ran", "eine Katze und ein Hund lief davon")]
+    stats = corpus_statistics(iter(pairs))  # streamed: any iterable of pairs
+    assert (stats.pairs, stats.source_words, stats.target_words) == (3, 11, 12)
+    assert stats.words == 23
+    # the cat sat dog a and ran | die Katze saß der Hund eine und ein lief davon
+    assert stats.word_types == 7 + 10
+    assert (stats.long_source, stats.long_target) == (6, 7)  # 99.9% of 3: the longest
+    assert stats.mean_pair_words == 12 / 3
+    assert "3 pairs, 11 + 12 words" in stats.describe()
+    assert "17 distinct words" in stats.describe()
+
+
+def test_the_percentile_leaves_out_the_rarest_long_sentences():
+    one_long = [("a b c d e", "x")] * 999 + [(" ".join(["w"] * 50), "x y")]
+    stats = corpus_statistics(one_long)
+    assert stats.long_source == 5  # 999 of 1,000 sentences: the 99.9th percentile
+    assert stats.long_target == 1
+    two_long = one_long[:998] + one_long[-1:] * 2
+    assert corpus_statistics(two_long).long_source == 50
+
+
+def test_corpus_statistics_refuses_an_empty_corpus():
+    with pytest.raises(ValueError, match="no sentence pairs"):
+        corpus_statistics([])
+
+
+# NoamSchedule's cooldown: the paper's rate times a linear fall to 0 over the last 20%.
+D_MODEL, WARMUP, SCALE, TOTAL = 256, 1000, 0.5, 4200
+COOLDOWN_START = TOTAL - 0.2 * TOTAL  # step 3,360
+
+
+def rate(schedule, step) -> float:
+    return float(keras.ops.convert_to_numpy(schedule(step)))
+
+
+@pytest.fixture(scope="module")
+def schedules():
+    return (NoamSchedule(D_MODEL, WARMUP, SCALE),
+            NoamSchedule(D_MODEL, WARMUP, SCALE, total_steps=TOTAL, cooldown=0.2))
+
+
+@pytest.mark.parametrize("step", [0, 1, 500, 1000, 2000, 3000, 3360])
+def test_the_cooldown_leaves_the_rate_alone_before_it_starts(schedules, step):
+    plain, cooled = schedules
+    assert rate(cooled, step) == pytest.approx(rate(plain, step), rel=1e-6)
+
+
+@pytest.mark.parametrize("step", [3400, 3600, 3780, 4000, 4199])
+def test_the_cooldown_falls_linearly_to_zero(schedules, step):
+    plain, cooled = schedules
+    share = (TOTAL - step) / (TOTAL - COOLDOWN_START)
+    assert rate(cooled, step) == pytest.approx(share * rate(plain, step), rel=1e-4)
+
+
+def test_the_cooldown_ends_at_zero_and_never_goes_negative(schedules):
+    plain, cooled = schedules
+    assert rate(cooled, TOTAL - 1) < 0.01 * rate(plain, TOTAL - 1)
+    for step in (TOTAL, TOTAL + 1, 2 * TOTAL, 10**6):
+        assert rate(cooled, step) == 0.0
+    rates = [rate(cooled, step) for step in range(int(COOLDOWN_START), TOTAL + 20, 20)]
+    assert all(later <= earlier for earlier, later in zip(rates, rates[1:], strict=False))
+    assert min(rates) >= 0.0
+    # Half way through the cooldown: half the paper's rate.
+    assert rate(cooled, 3780) == pytest.approx(0.5 * rate(plain, 3780), rel=1e-4)
+
+
+def test_the_cooldown_schedule_survives_its_config(schedules):
+    _, cooled = schedules
+    config = cooled.get_config()
+    assert config == {"d_model": D_MODEL, "warmup_steps": WARMUP, "scale": SCALE,
+                      "total_steps": TOTAL, "cooldown": 0.2}
+    rebuilt = NoamSchedule.from_config(config)
+    restored = keras.optimizers.schedules.deserialize(
+        keras.optimizers.schedules.serialize(cooled))
+    for step in (1, 1000, 3360, 3780, 4199, 4200):
+        assert rate(rebuilt, step) == rate(cooled, step)
+        assert rate(restored, step) == pytest.approx(rate(cooled, step), rel=1e-7)
+
+
+def test_without_a_cooldown_the_schedule_is_the_papers(schedules):
+    plain, _ = schedules
+    assert plain.get_config()["cooldown"] == 0.0 and plain.get_config()["total_steps"] is None
+    for step in (1, 1000, 4200, 100_000):
+        paper = SCALE * D_MODEL**-0.5 * min(step**-0.5, step * WARMUP**-1.5)
+        assert rate(plain, step) == pytest.approx(paper, rel=1e-6)
+    assert rate(plain, 10 * TOTAL) > 0  # no end without a cooldown
+    # A config of the time before the cooldown (three keys) still loads.
+    old = NoamSchedule.from_config({"d_model": D_MODEL, "warmup_steps": WARMUP, "scale": SCALE})
+    assert rate(old, 4200) == rate(plain, 4200)
+
+
+@pytest.mark.parametrize("kwargs", [dict(cooldown=0.2), dict(cooldown=1.0, total_steps=100),
+                                    dict(cooldown=-0.1, total_steps=100)])
+def test_a_cooldown_needs_the_steps_and_a_share_below_one(kwargs):
+    with pytest.raises(ValueError, match="cooldown"):
+        NoamSchedule(D_MODEL, WARMUP, **kwargs)
+
+
+def test_the_peak_rates_are_the_tuned_ones():
+    """`lr_scale` reproduces each preset's peak: multi30k's 0.5 at 1,000 warmup steps, the
+    paper's 1.0 at 4,000."""
+    for preset, warmup, scale in (("small", 1000, 0.5), ("base", 4000, 1.0),
+                                  ("big", 4000, 1.0)):
+        peak = scale * rules.D_MODEL[preset] ** -0.5 * warmup**-0.5
+        assert math.isclose(rules.PEAK_RATE[preset], peak, rel_tol=1e-12)
