@@ -143,8 +143,10 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
             break
         report(f"--recipe auto: {name} would train {steps:,} steps, fewer than the "
                f"{rules.MIN_STEPS[name]:,} it needs; trying the next smaller preset")
+    # In the order of the plan's table; the schedule's values win (its val grid).
     chosen = {**{key: chosen[key] for key in ("preset", "dropout", "tokens_per_step")
                  if key in chosen}, **schedule, **chosen}
+    chosen.update(schedule)
     final = _apply(config, chosen)
     final.check()
     record = {
@@ -356,5 +358,10 @@ def recorded_plan(config: TrainConfig) -> AutoPlan | None:
                          f"settings ({', '.join(changed)}); use the original flags to resume, "
                          "--overwrite to plan again, or another --out")
     resumed = config_from_flags(recorded["arguments"])
-    return AutoPlan(dataclasses.replace(resumed, output=config.output, cluster=config.cluster,
+    # Where and how this command writes is its own; what was planned (the checkpoint
+    # cadence) is the recorded run's.
+    output = dataclasses.replace(resumed.output, **{
+        field.name: getattr(config.output, field.name)
+        for field in dataclasses.fields(config.output) if field.name in _NOT_PLANNED})
+    return AutoPlan(dataclasses.replace(resumed, output=output, cluster=config.cluster,
                                         given=config.given), plan)

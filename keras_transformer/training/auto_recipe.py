@@ -31,6 +31,7 @@ from typing import Any
 from pipelines.corpus_statistics import CorpusStatistics
 
 MULTI30K_WORDS = 667_403  # Multi30k de-en train, both sides: the `multi30k` recipe's corpus
+MIN_VOCABULARY = 300  # --vocab-size's least: 4 special ids, 256 byte pieces and some more
 PRESET_ORDER = ("small", "base", "big")
 # From this many words (both sides) a corpus supports the next larger model: Multi30k (0.7M)
 # overfits `base` (model/config.py); IWSLT-size corpora (~5M) are where published systems
@@ -75,10 +76,14 @@ def vocabulary_choice(stats: CorpusStatistics) -> Choice:
     whole rare words: Sennrich and Zhang 2019 found small vocabularies best on little data)."""
     scaled = 8000 * (stats.words / MULTI30K_WORDS) ** 0.3
     value = min(scaled, stats.word_types / 4, 37_000)
-    value = round_to(value, 500) if value >= 1000 else round_to(value, 50)
+    step = 500 if value >= 1000 else 50
+    # Rounded down where a cap binds, so that rounding never lifts it above the cap.
+    value = (int(value // step) * step if value < scaled else round_to(value, step))
+    value = max(MIN_VOCABULARY, value)
     return Choice(value, f"8,000 x ({stats.words:,} words / Multi30k's {MULTI30K_WORDS:,})^0.3"
                   f" = {scaled:,.0f}, at most a quarter of the {stats.word_types:,} distinct "
-                  "words and the paper's 37,000, rounded")
+                  f"words and the paper's 37,000, rounded, at least {MIN_VOCABULARY} (the "
+                  "tokenizer's byte pieces and special ids)")
 
 
 def preset_ceiling(stats: CorpusStatistics) -> str:
@@ -138,7 +143,7 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
     steps_reason = why_steps if steps == budget_steps else (
         f"{MAX_PASSES} passes over the data ({most:,} steps of {tokens:,} tokens): the budget's "
         f"{budget_steps:,} would overfit it, so the run ends early")
-    warmup = min(4000, round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
+    warmup = min(4000, steps, round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
     peak = PEAK_RATE.get(preset, PEAK_RATE["small"])
     lr_scale = round(peak * math.sqrt(width * warmup), 4)
     every = max(10, round_to(steps / CHECKPOINTS_PER_RUN, 10 if steps < 4200 else 50))

@@ -146,10 +146,6 @@ def test_a_steps_budget_measures_nothing_and_the_given_flags_win(corpus, tmp_pat
     config.check()
 
 
-@pytest.mark.xfail(strict=True, raises=UsageError,
-                   reason="LIBRARY BUG (issue 39, reported): a corpus of fewer than 1,200 "
-                   "distinct words gets a vocabulary under 300 pieces (here 50), and the plan "
-                   "is refused: '--vocab-size must be >= 300', a flag the user did not give")
 def test_a_corpus_of_few_distinct_words_is_planned(corpus, tmp_path):
     flags = {name: setting for name, setting in TOY.items() if name != "vocab_size"}
     result, _ = plan(tmp_path / "run", data=corpus, budget_steps=100, **flags)
@@ -199,10 +195,6 @@ def test_too_small_a_minutes_budget_is_refused_with_the_minimum(corpus, tmp_path
     assert value(result, "max_steps") >= 50
 
 
-@pytest.mark.xfail(strict=True, reason="LIBRARY BUG (issue 39, reported): plan_run merges the "
-                   "corpus choices after the schedule's, so the minutes budget's 'val_beams 4' "
-                   "(the val grid shrunk to fit the budget, and assumed in the plan's estimate "
-                   "of the end) is replaced by the full grid '4,6'")
 def test_a_short_minutes_budget_shrinks_the_val_grid(corpus, tmp_path):
     result, _ = plan(tmp_path / "run", data=corpus, budget_minutes=3, assume_step_seconds=0.5,
                      **TOY)
@@ -316,11 +308,6 @@ def test_planning_the_finished_run_again_reads_its_plan(auto_run):
     assert again.config.model.dropout == recorded["arguments"]["dropout"]
 
 
-@pytest.mark.xfail(strict=True, reason="LIBRARY BUG (issue 39, reported): recorded_plan "
-                   "replaces the resumed config's whole OutputConfig with the new command's, "
-                   "so the planned --checkpoint-every is lost (the default 200 comes back) and "
-                   "run_training refuses to resume any --recipe auto run: 'trained with "
-                   "different settings (checkpoint_every)'")
 def test_a_resumed_plan_keeps_every_planned_setting(auto_run):
     config = train_config(**auto_run["flags"])
     again = auto_plan.plan_run(config, {}, replicas=1, workers=1, started=time.perf_counter(),
