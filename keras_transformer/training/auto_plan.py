@@ -110,7 +110,9 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
                          "trained run's: give the settings (or --recipe multi30k) instead")
     if stats is None:
         stats = _count(config, corpora, report)
-    choices = rules.data_choices(stats)
+    choices = {**rules.data_choices(stats), "clean_train": Choice(
+        True, "obvious noise dropped and counted (results.json's data_report; set before "
+        "the corpus is read: `with_clean_train`)")}
     ceiling = rules.preset_ceiling(stats)
     candidates = (["given"] if "preset" in config.given else
                   list(reversed(rules.PRESET_ORDER[:rules.PRESET_ORDER.index(ceiling) + 1])))
@@ -159,6 +161,16 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
         "choices": {name: dataclasses.asdict(choice) for name, choice in chosen.items()},
     }
     return AutoPlan(final, record)
+
+
+def with_clean_train(config: TrainConfig) -> TrainConfig:
+    """An auto run drops the training split's obvious noise (`--clean-train`: empty,
+    length-mismatched and duplicate pairs, each counted in results.json's data_report)
+    unless the flag was given. Set before the corpus is opened, fresh or resumed alike, so
+    that a resumed run reads the same training pairs."""
+    if "clean_train" in config.given:
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, clean_train=True))
 
 
 def plan_on_this_machine(config: TrainConfig, corpora: dict[str, Any], strategy, workers: int,

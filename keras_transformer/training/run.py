@@ -122,6 +122,8 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         strategy = None if on_jax else select_strategy(cluster, config.cluster.join_timeout)
         budget = config.batches.budget(1 if on_jax else strategy.num_replicas_in_sync,
                                        config.data.max_length)
+        if config.recipe == AUTO:
+            config = auto_plan.with_clean_train(config)
         corpora = run_data.load_corpora(config)
         auto = None
         if config.recipe == AUTO:  # every setting sized to the corpus and the budget

@@ -275,6 +275,9 @@ def test_the_run_reports_its_budget(auto_run):
     assert budget["command_minutes"] >= budget["training_minutes"]
     assert "6 of the 6 steps planned" in budget["message"]
     assert json.loads((out / "results.json").read_text())["budget"] == budget
+    # Auto drops the training split's obvious noise and reports it (--clean-train).
+    clean = results["data_report"]["clean"]
+    assert clean["kept"] == results["data_report"]["train"] <= 600
 
 
 def test_the_run_records_its_plan_in_config_json(auto_run):
