@@ -20,9 +20,8 @@ from keras_transformer.training.run import run_training
 from tests.cli.test_train import write_toy_corpus
 
 # A tiny model under --recipe auto: the preset is left to auto (small), its sizes given (the
-# schedule follows them). --vocab-size is given because the toy languages have ~120 distinct
-# words, for which auto would choose fewer than the 300 pieces allowed (a library bug: see
-# test_auto_recipe.py). The val grid is given small, and so is the step.
+# schedule follows them). --vocab-size is given (the toy languages' ~120 distinct words would
+# get auto's least, 300, anyway). The val grid is given small, and so is the step.
 TOY = dict(src="xx", tgt="yy", vocab_size=300, max_length=32, tokens_per_batch=512,
            tokens_per_step=512, d_model=32, num_layers=2, num_heads=4, d_ff=64,
            precision="float32")
