@@ -117,10 +117,11 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
     candidates = (["given"] if "preset" in config.given else
                   list(reversed(rules.PRESET_ORDER[:rules.PRESET_ORDER.index(ceiling) + 1])))
     measured: dict[str, float] = {}
+    tried: list[str] = []  # the larger presets stepped down from
     for preset in candidates:
         chosen = dict(choices)
         chosen["preset"] = Choice(ceiling if preset == "given" else preset,
-                                  _preset_reason(stats, ceiling, preset, measured))
+                                  _preset_reason(stats, ceiling, preset, tried))
         name = preset if preset != "given" else config.model.preset
         chosen["dropout"] = rules.dropout_choice(stats, name)
         if "accumulate" not in config.given:  # (the two flags exclude each other)
@@ -135,14 +136,23 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
                                               **sizes)
             plan_text = f"{budget.steps:,} steps given"
         else:
-            schedule, plan_text, measured[name] = _minutes_schedule(
-                trial, stats, name, corpora, started, precision, jit, replicas, report,
-                step_seconds, sizes)
+            last = preset == candidates[-1]
+            try:
+                schedule, plan_text, measured[name] = _minutes_schedule(
+                    trial, stats, name, corpora, started, precision, jit, replicas, report,
+                    step_seconds, sizes)
+            except UsageError as error:  # no time to train it at all: a smaller one may fit
+                if last or preset == "given":
+                    raise
+                tried.append(name)
+                report(f"--recipe auto: {error}; trying the next smaller preset")
+                continue
         steps = schedule["max_steps"].value
         last = preset == candidates[-1]
         if (preset == "given" or last or optimization.assume_step_seconds is not None
                 or steps >= rules.MIN_STEPS[name]):
             break
+        tried.append(name)
         report(f"--recipe auto: {name} would train {steps:,} steps, fewer than the "
                f"{rules.MIN_STEPS[name]:,} it needs; trying the next smaller preset")
     # In the order of the plan's table; the schedule's values win (its val grid).
@@ -209,13 +219,13 @@ def budget_report(auto: dict[str, Any], results: dict[str, Any], started: float
 
 
 def _preset_reason(stats: CorpusStatistics, ceiling: str, preset: str,
-                   measured: dict[str, float]) -> str:
+                   tried: list[str]) -> str:
     reason = (f"{stats.words:,} words support up to {ceiling} (base from "
               f"{rules.PRESET_FROM_WORDS['base']:,}, big from "
               f"{rules.PRESET_FROM_WORDS['big']:,})")
     if preset not in (ceiling, "given"):
         reason += (f"; stepped down: the budget gives larger presets fewer steps than they need "
-                   f"({', '.join(f'{rules.MIN_STEPS[p]:,} for {p}' for p in measured)})")
+                   f"({', '.join(f'{rules.MIN_STEPS[p]:,} for {p}' for p in tried)})")
     return reason
 
 

@@ -341,3 +341,23 @@ def test_rules_cover_every_planned_setting(auto_run):
     recorded = json.loads((auto_run["out"] / "config.json").read_text())
     assert set(recorded["auto"]["choices"]) <= set(recorded["arguments"])
     assert rules.COOLDOWN == recorded["arguments"]["cooldown"]
+
+
+def test_a_larger_preset_with_no_time_to_train_is_stepped_down(tmp_path):
+    """6M words support `base`; at 100 s a step an hour leaves it no training at all, which
+    steps it down to `small` instead of refusing the budget."""
+    from pipelines.corpus_statistics import CorpusStatistics
+
+    stats = CorpusStatistics(250_000, 3_000_000, 3_000_000, 200_000, 60, 60)
+    config = train_config(recipe="auto", data="unused", src="de", tgt="en",
+                          out=str(tmp_path / "run"), budget_minutes=60)
+    lines: list[str] = []
+    result = auto_plan.plan_run(
+        config, {"val": range(1000), "test": range(1000)}, replicas=1, workers=1,
+        started=time.perf_counter(), precision="float32", jit=False, report=lines.append,
+        stats=stats, step_seconds=lambda trial: {"base": 100.0, "small": 1.0}[
+            trial.model.preset])
+    assert value(result, "preset") == "small"
+    assert "stepped down" in result.record["choices"]["preset"]["reason"]
+    assert any("trying the next smaller preset" in line for line in lines)
+    assert value(result, "max_steps") > 1000
