@@ -29,12 +29,7 @@ from keras_transformer.training.auto_recipe import Budget, Choice
 from keras_transformer.training.config import COMPONENTS, TrainConfig, config_from_flags
 from keras_transformer.training.config.fields import comma_separated
 from keras_transformer.training.config.train import component_of
-from keras_transformer.training.precision import (
-    gpu_capabilities,
-    jax_gpu_capabilities,
-    resolve_jit,
-    resolve_precision,
-)
+from keras_transformer.training.precision import training_precision
 from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
 
 # Measured on this project's runs (BENCHMARKS.md): a whole run averages 4,902 target tokens/s
@@ -67,8 +62,7 @@ class AutoPlan:
                  f"                 budget {record['budget']}; {record['plan_text']}",
                  rules.describe_choices({name: Choice(**choice) for name, choice
                                          in record["choices"].items()},
-                                        {name: value for name, value in
-                                         record["request"]["given"].items()})]
+                                        record["request"]["given"])]
         return "\n".join(lines)
 
 
@@ -119,6 +113,7 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
     measured: dict[str, float] = {}
     tried: list[str] = []  # the larger presets stepped down from
     for preset in candidates:
+        last = preset == candidates[-1]
         chosen = dict(choices)
         chosen["preset"] = Choice(ceiling if preset == "given" else preset,
                                   _preset_reason(stats, ceiling, preset, tried))
@@ -136,7 +131,6 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
                                               **sizes)
             plan_text = f"{budget.steps:,} steps given"
         else:
-            last = preset == candidates[-1]
             try:
                 schedule, plan_text, measured[name] = _minutes_schedule(
                     trial, stats, name, corpora, started, precision, jit, replicas, report,
@@ -148,7 +142,6 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
                 report(f"--recipe auto: {error}; trying the next smaller preset")
                 continue
         steps = schedule["max_steps"].value
-        last = preset == candidates[-1]
         if (preset == "given" or last or optimization.assume_step_seconds is not None
                 or steps >= rules.MIN_STEPS[name]):
             break
@@ -188,15 +181,10 @@ def plan_on_this_machine(config: TrainConfig, corpora: dict[str, Any], strategy,
     """`auto_plan.plan_run` with this machine's precision and XLA choice, as the training
     will resolve them (`fit.train_model`, `fit_jax.train_model`)."""
     optimization = config.optimization
-    if optimization.backend == "jax":
-        gpus = jax_gpu_capabilities()
-        precision, jit, replicas = resolve_precision(optimization.precision, gpus), True, 1
-    else:
-        import tensorflow as tf
-
-        precision = resolve_precision(optimization.precision, gpu_capabilities())
-        jit = resolve_jit(optimization.jit_compile, len(tf.config.list_logical_devices("GPU")))
-        replicas = strategy.num_replicas_in_sync  # (None under JAX: one device)
+    precision, jit, _ = training_precision(optimization.precision, optimization.jit_compile,
+                                           optimization.backend)
+    # (No strategy under JAX: one device.)
+    replicas = 1 if optimization.backend == "jax" else strategy.num_replicas_in_sync
     return plan_run(config, corpora, replicas=replicas, workers=workers, started=started,
                     precision=precision, jit=jit, report=report)
 
@@ -371,9 +359,9 @@ def recorded_plan(config: TrainConfig) -> AutoPlan | None:
     plan = recorded.get("auto")
     if plan is None:
         return None  # not an auto run: the identity check names what differs
-    if plan["request"] != _request(config):
-        given = _request(config)["given"]
-        before = plan["request"]["given"]
+    request = _request(config)
+    if plan["request"] != request:
+        given, before = request["given"], plan["request"]["given"]
         changed = sorted(name for name in set(given) | set(before)
                          if given.get(name) != before.get(name))
         raise UsageError(f"{config.output.out} was planned by --recipe auto with other "

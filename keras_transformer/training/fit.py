@@ -25,12 +25,7 @@ from keras_transformer.training import backup
 from keras_transformer.training import callbacks as cb
 from keras_transformer.training.config import TrainConfig
 from keras_transformer.training.fine_tuning import load_initial_weights, read_initial_run
-from keras_transformer.training.precision import (
-    describe_precision,
-    gpu_capabilities,
-    resolve_jit,
-    resolve_precision,
-)
+from keras_transformer.training.precision import describe_precision, training_precision
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.training_loop import (
     TrainingLoop,
@@ -58,9 +53,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
     """
     optimization, max_length = config.optimization, config.data.max_length
     keras.utils.set_random_seed(optimization.seed)
-    gpus = len(tf.config.list_logical_devices("GPU"))
-    precision = resolve_precision(optimization.precision, gpu_capabilities())
-    jit = resolve_jit(optimization.jit_compile, gpus)
+    precision, jit, gpus = training_precision(optimization.precision,
+                                              optimization.jit_compile, "tensorflow")
     fused = not jit and fused_kernels() is not None  # XLA-compiled steps use TF ops
     replicas, accumulate = strategy.num_replicas_in_sync, budget.accumulate
     # XLA compiles one step per batch shape: coarser buckets, every batch padded to its

@@ -22,11 +22,7 @@ from keras_transformer.training import backup
 from keras_transformer.training import callbacks as cb
 from keras_transformer.training.config import TrainConfig
 from keras_transformer.training.fine_tuning import load_initial_weights, read_initial_run
-from keras_transformer.training.precision import (
-    describe_precision,
-    jax_gpu_capabilities,
-    resolve_precision,
-)
+from keras_transformer.training.precision import describe_precision, training_precision
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.training_loop import (
     TrainingLoop,
@@ -56,8 +52,8 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     """
     optimization, max_length = config.optimization, config.data.max_length
     keras.utils.set_random_seed(optimization.seed)
-    gpus = jax_gpu_capabilities()
-    precision = resolve_precision(optimization.precision, gpus)
+    precision, _, gpus = training_precision(optimization.precision, optimization.jit_compile,
+                                            "jax")
     # XLA always: JAX has no other way to run a step fast; its shapes are bounded.
     shapes = dict(bucket_boundaries=xla_bucket_boundaries(max_length), static_shapes=True)
     accumulate = budget.accumulate
@@ -81,7 +77,7 @@ def train_model(config: TrainConfig, record: dict[str, Any], prepared, validatio
     loop = TrainingLoop(config, out, state, started, max_steps, bool)
     _LOG.info(loop.describe(model, config.model.preset, prepared, budget, prepared.vocab_size,
                             step,
-                            describe_precision(optimization.precision, precision, len(gpus)),
+                            describe_precision(optimization.precision, precision, gpus),
                             True) + f"; Keras on JAX ({keras.backend.backend()}, "
               f"{_devices()})")
     done = loop.done(step)

@@ -119,3 +119,18 @@ def resolve_jit(choice: str, num_gpus: int) -> bool:
     if choice == "auto":
         return num_gpus > 0
     return choice == "on"
+
+
+def training_precision(precision: str, jit_compile: str, backend: str
+                       ) -> tuple[str, bool, int]:
+    """(precision, XLA on, GPUs) a run trains with on this machine: `--precision` and
+    `--jit-compile` resolved for the backend's GPUs (JAX compiles every step with XLA).
+    The training (`fit`, `fit_jax`) and `--recipe auto`'s measured step both read it."""
+    if backend == "jax":
+        capabilities = jax_gpu_capabilities()
+        return resolve_precision(precision, capabilities), True, len(capabilities)
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_logical_devices("GPU"))
+    return (resolve_precision(precision, gpu_capabilities()), resolve_jit(jit_compile, gpus),
+            gpus)
