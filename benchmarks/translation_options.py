@@ -2,12 +2,13 @@
 export of an earlier version of the code, and sampling against greedy search.
 
     python benchmarks/translation_options.py --model RUN_DIR --data ../shared/data/multi30k \\
-        --src de --tgt en [--baseline OLD_SAVED_MODEL] [--runs 5]
+        --src de --tgt en [--baseline OLD_SAVED_MODEL [--baseline-modes greedy,beam4]] [--runs 5]
 
 The run is exported (as `benchmarks/serving.py` does: chunks of 32, 2 threads) and each
 engine answers in a child process that imports only tensorflow and tensorflow_text:
-- `translate` with beam 1 and beam 4 on this export and on `--baseline` (e.g. exported by the
-  code before the new signatures), interleaved run by run: the ratio is the cost of the change;
+- `translate` with beam 1 and beam 4 (or the `--baseline-modes`, e.g. the `sample` ones) on
+  this export and on `--baseline` (e.g. exported by the code before the new signatures),
+  interleaved run by run: the ratio is the cost of the change;
 - `sample` (top-k 0, top-k 10, top-p 0.9; temperature 1) against `translate` beam 1 on the
   same export, interleaved.
 Target tokens/s count the outputs' SentencePiece pieces + EOS; medians of `--runs` passes
@@ -81,8 +82,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_and_split_flags(parser)
     parser.add_argument("--baseline", help="a SavedModel of the earlier code")
+    parser.add_argument("--baseline-modes", default="greedy,beam4",
+                        help=f"comma-separated, of {','.join(MODES)}: the modes run on both "
+                        "exports (greedy among them: each export's ratios to its greedy too)")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
+    baseline_modes = args.baseline_modes.split(",")
+    if unknown := set(baseline_modes) - set(MODES):
+        parser.error(f"unknown --baseline-modes: {sorted(unknown)}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import sentencepiece as spm
 
@@ -103,7 +110,7 @@ def main() -> None:
                 baseline = {"current": engines["savedmodel"],
                             "baseline": Engine(load, args.baseline)}
                 try:
-                    results.update(passes(baseline, ["greedy", "beam4"], texts, args.runs))
+                    results.update(passes(baseline, baseline_modes, texts, args.runs))
                 finally:
                     baseline["baseline"].close()
         finally:
@@ -120,10 +127,17 @@ def main() -> None:
     ratios = {f"{mode} / greedy": round(cases[f"savedmodel {mode}"]["target_tokens_per_s"]
                                         / greedy, 3) for mode in MODES if mode != "greedy"}
     if args.baseline:
-        for mode in ("greedy", "beam4"):
+        for mode in baseline_modes:
             ratios[f"{mode}: this export / baseline"] = round(
                 cases[f"current {mode}"]["target_tokens_per_s"]
                 / cases[f"baseline {mode}"]["target_tokens_per_s"], 3)
+        if "greedy" in baseline_modes:  # both exports' ratios from the same interleaved passes
+            for engine in ("current", "baseline"):
+                greedy = cases[f"{engine} greedy"]["target_tokens_per_s"]
+                for mode in baseline_modes:
+                    if mode != "greedy":
+                        ratios[f"{engine}: {mode} / greedy"] = round(
+                            cases[f"{engine} {mode}"]["target_tokens_per_s"] / greedy, 3)
     for name, value in ratios.items():
         print(f"{name}: {value}")
     print(json.dumps({"cases": cases, "ratios": ratios, "split": args.split,

@@ -300,6 +300,15 @@ def test_xla_compiled_export_gives_the_same_translations(exported, tmp_path):
     outputs = compiled.signatures["translate"](**arguments)
     assert _texts(outputs["outputs"]) == _texts(expected["outputs"])
     np.testing.assert_allclose(outputs["scores"], expected["scores"], atol=1e-4)
+    # Sampling compiles every branch of the sampler, whichever the options take.
+    for top_k, top_p in ((0, 1.0), (0, 0.9), (3, 1.0), (3, 0.5)):
+        arguments = {"inputs": inputs, "line_indices": tf.range(6, dtype=tf.int64),
+                     "seed": tf.constant(7, tf.int64), "top_k": tf.constant(top_k),
+                     "top_p": tf.constant(top_p), "temperature": tf.constant(1.0),
+                     "alpha": tf.constant(0.6)}
+        expected = loaded.signatures["sample"](**arguments)
+        outputs = compiled.signatures["sample"](**arguments)
+        assert _texts(outputs["outputs"]) == _texts(expected["outputs"])
 
 
 class _Interrupted(Exception):
