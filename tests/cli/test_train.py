@@ -35,9 +35,11 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def write_toy_corpus(folder: Path, pairs: int = 300, seed: int = 0) -> Path:
+def write_toy_corpus(folder: Path, pairs: int = 300, seed: int = 0,
+                     sentence_words: tuple[int, int] = (3, 8)) -> Path:
     """A learnable toy language pair xx -> yy: each word has one translation and the
-    target reverses the word order. Splits train (`pairs`), val and test (20 each)."""
+    target reverses the word order. Sentences of `sentence_words` words (a closed range);
+    splits train (`pairs`), val and test (20 each)."""
     rng = random.Random(seed)
     syllables = [c + v for c in "bdgklmnprst" for v in "aeiou"]
     source_words = sorted({"".join(rng.sample(syllables, 2)) for _ in range(60)})
@@ -46,7 +48,7 @@ def write_toy_corpus(folder: Path, pairs: int = 300, seed: int = 0) -> Path:
     for split, count in (("train", pairs), ("val", 20), ("test", 20)):
         sources, targets = [], []
         for _ in range(count):
-            words = [rng.choice(source_words) for _ in range(rng.randint(3, 8))]
+            words = [rng.choice(source_words) for _ in range(rng.randint(*sentence_words))]
             sources.append(" ".join(words))
             targets.append(" ".join(dictionary[word] for word in reversed(words)))
         (folder / f"{split}.xx").write_text("\n".join(sources) + "\n")

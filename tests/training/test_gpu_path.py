@@ -191,8 +191,9 @@ def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_e
 def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batch_shapes(
         tmp_path):
     # What `auto` picks on a V100 or T4: mixed_float16 with loss scaling, XLA, TF ops. The
-    # scale starts high enough (2^24) that the first updates overflow and are skipped.
-    data = write_toy_corpus(tmp_path / "corpus", pairs=120)
+    # scale starts high enough (2^24) that the first updates overflow and are skipped. Short
+    # sentences: their batches come in 2 shapes, and each shape costs an XLA compile.
+    data = write_toy_corpus(tmp_path / "corpus", pairs=120, sentence_words=(3, 4))
     out = tmp_path / "run"
     result = _train(data, out, "--jit-compile", "on", "--precision", "mixed_float16",
                     "--initial-loss-scale", str(2.0**24), "--max-steps", "4",
