@@ -75,7 +75,8 @@ _CLUSTER_FILES = ("tests/cluster/test_workers.py",)
 _CLUSTER_TESTS = ("two_workers", "workers_skip")
 _ARTIFACT_FILES = ("tests/serving/test_saved_model.py", "tests/cli/test_translate.py",
                    "tests/cli/test_evaluate.py", "tests/decoding/test_attention_plots.py",
-                   "tests/serving/test_saved_model_translation.py")
+                   "tests/serving/test_saved_model_translation.py",
+                   "tests/serving/test_detailed_signatures.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the marks into nodeids
