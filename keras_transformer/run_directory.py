@@ -10,6 +10,7 @@
 <run>/backup/            the newest generations of the resumable state (training.backup)
 <run>/logs/              TensorBoard
 <run>/results.json       final metrics (validation loss, BLEU with its signature, ...)
+<run>/.lock              held by the training run writing it (`lock_run_dir`)
 ```
 
 A run directory is "finished" once results.json exists; before that, the same training
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,7 @@ import keras
 
 import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
 from keras_transformer.errors import UsageError
-from pipelines import DEFAULT_CARVE_PAIRS
+from pipelines import DEFAULT_CARVE_PAIRS, storage
 
 if TYPE_CHECKING:
     from keras_transformer.training.config import TrainConfig
@@ -126,8 +128,8 @@ def inspect_run_dir(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} exists and is not a directory")
-    # Temporary files of a process killed while writing do not make a run.
-    if not out.exists() or not any(not p.name.startswith(".tmp-") for p in out.iterdir()):
+    # Temporary files of a process killed while writing, and the lock, do not make a run.
+    if not out.exists() or not storage.holds_files(out):
         if resume:
             raise RunDirError(f"--resume: {out} holds no run to resume")
         return "fresh"
@@ -145,6 +147,32 @@ def inspect_run_dir(
                           "use the original flags to resume, --overwrite to start over, or "
                           "another --out")
     return "finished" if (out / RESULTS_FILE).is_file() else "resume"
+
+
+def lock_run_dir(lock: storage.FolderLock) -> None:
+    """Takes the lock of a run directory (`storage.FolderLock`) before training writes it.
+
+    Raises:
+        RunDirError: another training run is writing it (naming its process).
+    """
+    try:
+        lock.acquire()
+    except storage.FolderInUse as error:
+        raise RunDirError(f"{error}: another training run is writing it. Wait for that run "
+                          "to end (or stop it), then run this command again to resume or "
+                          "finish it; or pass another --out") from None
+
+
+def empty_run_dir(out: Path) -> None:
+    """Deletes what `out` holds, for `--overwrite`, but not its lock file: a run starting
+    while this one deletes still finds the folder locked."""
+    for entry in out.iterdir():
+        if entry.name == storage.LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def run_record(config: TrainConfig, model_config) -> dict[str, Any]:

@@ -13,6 +13,11 @@ read-only (EROFS) or failing (EIO) disk — raises `StorageError`, one sentence 
 path, the bytes it needed and what is free; the temporary file is removed and the
 destination is untouched. The lowest layer of the project: `pipelines` and
 `keras_transformer` both write through it, and it imports neither.
+
+One process writes a folder at a time: `FolderLock` takes an exclusive `flock` on the
+folder's `.lock` file, which the kernel drops when the process ends, however it ends (a
+`kill -9` or a lost container too), so a lock never outlives its process and never blocks
+the resume that follows.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import glob
 import json
 import os
 import shutil
+import socket
 import stat
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StorageError", "checksum", "errors_about", "file_checksum", "folder_bytes",
+__all__ = ["LOCK_FILE", "FolderInUse", "FolderLock", "StorageError", "checksum",
+           "errors_about", "file_checksum", "folder_bytes", "holds_files",
            "remove_stale_temporaries", "replace_folder", "replacing", "storage_error",
            "sync_file", "sync_tree", "write_bytes", "write_json", "write_text"]
 
@@ -41,6 +49,8 @@ _REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quo
 _MESSAGES = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
              "Read-only file system": errno.EROFS, "Input/output error": errno.EIO}
 _CHUNK = 8 << 20
+TEMPORARY_PREFIX = ".tmp-"
+LOCK_FILE = ".lock"
 
 
 class StorageError(OSError):
@@ -120,7 +130,7 @@ def replacing(path: str | os.PathLike, needed: int | None = None) -> Iterator[Pa
         with errors_about(path, needed):
             yield path
         return
-    temporary = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    temporary = path.with_name(f"{TEMPORARY_PREFIX}{os.getpid()}-{path.name}")
     with errors_about(path, needed):
         try:
             yield temporary
@@ -250,7 +260,7 @@ def _size(count: int) -> str:
     return f"{count:.1f} TB"
 
 
-def remove_stale_temporaries(folder: str | os.PathLike, prefix: str = ".tmp-") -> None:
+def remove_stale_temporaries(folder: str | os.PathLike, prefix: str = TEMPORARY_PREFIX) -> None:
     """Removes the temporary files and folders that killed processes left in `folder`.
 
     Args:
@@ -282,3 +292,96 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def holds_files(folder: str | os.PathLike) -> bool:
+    """True if `folder` holds anything besides temporaries of killed writes and its lock
+    file: the test of an empty output folder."""
+    return any(not entry.name.startswith(TEMPORARY_PREFIX) and entry.name != LOCK_FILE
+               for entry in Path(folder).iterdir())
+
+
+class FolderInUse(RuntimeError):
+    """Another live process holds the lock of the folder (`FolderLock.acquire`).
+
+    Attributes:
+        folder: the folder.
+        holder: what the holder wrote in the lock file ("pid N on HOST since TIME"), or "".
+    """
+
+    def __init__(self, folder: Path, holder: str):
+        self.folder, self.holder = folder, holder
+        super().__init__(f"{folder} is in use by another process"
+                         + (f" ({holder})" if holder else ""))
+
+
+class FolderLock:
+    """One writer per folder: an exclusive, non-blocking `flock` on `<folder>/.lock`.
+
+    Two commands given the same output folder (a training run started twice, a resume while
+    the first run still lives) would otherwise interleave their checkpoints and appends.
+    The kernel releases the lock when its process ends, however it ends, so a killed run's
+    lock never blocks the resume. Linux's `flock` covers NFS too (as a POSIX lock); where
+    there is no `fcntl` (Windows) the lock is a no-op. The lock file stays, empty once released;
+    `holds_files` does not count it. Files Python opens are not inherited by
+    child processes (PEP 446), so a subprocess does not hold its parent's lock.
+
+    Use `with FolderLock(folder):`, or `acquire()` and `release()` (both idempotent).
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self._descriptor: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._descriptor is not None
+
+    def acquire(self) -> None:
+        """Takes the lock, creating `.lock` in the (existing) folder.
+
+        Raises:
+            FolderInUse: another process holds it (naming that process).
+            StorageError: the lock file cannot be written (full or read-only disk).
+        """
+        if self._descriptor is not None:
+            return
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): one writer is the user's to ensure
+            return
+        path = self.folder / LOCK_FILE
+        with errors_about(path):
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = os.pread(descriptor, 4096, 0).decode("utf-8", "replace").strip()
+            os.close(descriptor)
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise FolderInUse(self.folder, holder) from None
+            raise
+        holder = (f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        try:  # who holds it, for the refusal another process shows; not needed for the lock
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, holder.encode() + b"\n", 0)
+        except OSError:
+            pass
+        self._descriptor = descriptor
+
+    def release(self) -> None:
+        """Lets the lock go (closing the file releases the `flock`); the file is emptied
+        first, so that it names only a live holder (a killed one's line is overwritten)."""
+        if self._descriptor is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._descriptor, 0)
+            os.close(self._descriptor)
+            self._descriptor = None
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

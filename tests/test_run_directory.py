@@ -81,3 +81,19 @@ def test_a_damaged_json_file_is_named_with_what_to_do(tmp_path, name, content, a
     with pytest.raises(run_directory.DamagedFileError) as raised:
         run_directory.read_json(path)
     assert str(raised.value).startswith(f"{path} is damaged") and advice in str(raised.value)
+
+
+def test_a_lock_file_alone_is_an_empty_run_dir_and_overwriting_keeps_it(tmp_path):
+    out = tmp_path / "new"
+    out.mkdir()
+    with storage.FolderLock(out):
+        assert inspect_run_dir(out, IDENTITY) == "fresh"
+    run = _run(tmp_path)
+    (run / run_directory.CHECKPOINT_DIR).mkdir()
+    (run / run_directory.CHECKPOINT_DIR / "ckpt-10.weights.h5").write_bytes(b"w")
+    with storage.FolderLock(run) as lock:
+        run_directory.empty_run_dir(run)
+        assert [p.name for p in run.iterdir()] == [storage.LOCK_FILE]
+        with pytest.raises(storage.FolderInUse):  # still held: no run can start meanwhile
+            storage.FolderLock(run).acquire()
+    assert not lock.held

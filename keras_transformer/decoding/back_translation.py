@@ -88,6 +88,7 @@ from keras_transformer.decoding.synthetic_corpus import (
     read_provenance,
     utc_now,
     write_provenance,
+    writing,
 )
 from keras_transformer.decoding.translator import DEFAULT_BATCH_TOKENS, translate_batch
 from keras_transformer.errors import UsageError
@@ -229,30 +230,31 @@ def back_translate(
              "seed": options["seed"], "cleanup": cleanup}
     check_folder(out, fixed)  # before loading the model: other options fail at once
     model, tokenizer, fixed["model"] = _reverse_model(model, tokenizer, src_lang, tgt_lang)
-    state = open_folder(out, fixed, started)
-    files = {side: out / f"train.{lang}"
-             for side, lang in (("src", src_lang), ("tgt", tgt_lang))}
-    cut_back(files, state["bytes"], out)
-    counts = LineCounts(**state["counts"])
-    total = monolingual["lines"] if max_lines is None else min(max_lines, monolingual["lines"])
-    session = {"started": started, "from_line": state["lines_done"],
-               "code_version": code_version(), "chunk_lines": chunk_lines,
-               "batch_size": batch_size, "batch_tokens": batch_tokens, "max_lines": max_lines}
-    if state["lines_done"] >= monolingual["lines"]:
-        session["action"] = "already complete"
-    elif state["lines_done"] >= total:
-        session["action"] = f"nothing to do: {state['lines_done']} lines done (max_lines)"
-    else:
-        session["action"] = "resumed" if state["lines_done"] else "started"
-    if session["action"] not in ("started", "resumed"):
-        return {**read_provenance(out), "session": {**session, "lines_translated": 0}}
-    state["sessions"].append(session)
-    decode = {**options, "batch_size": batch_size, "batch_tokens": batch_tokens}
-    _translate_lines(model, tokenizer, out, files, state, fixed, counts, decode, total,
-                     chunk_lines, progress)
-    record = write_provenance(out, state, fixed, counts)
-    return {**record, "session": {**session, "lines_translated": (
-        state["lines_done"] - session["from_line"])}}
+    with writing(out):  # read after the lock: another process may be writing it
+        state = open_folder(out, fixed, started)
+        files = {side: out / f"train.{lang}"
+                 for side, lang in (("src", src_lang), ("tgt", tgt_lang))}
+        cut_back(files, state["bytes"], out)
+        counts = LineCounts(**state["counts"])
+        total = monolingual["lines"] if max_lines is None else min(max_lines, monolingual["lines"])
+        session = {"started": started, "from_line": state["lines_done"],
+                   "code_version": code_version(), "chunk_lines": chunk_lines,
+                   "batch_size": batch_size, "batch_tokens": batch_tokens, "max_lines": max_lines}
+        if state["lines_done"] >= monolingual["lines"]:
+            session["action"] = "already complete"
+        elif state["lines_done"] >= total:
+            session["action"] = f"nothing to do: {state['lines_done']} lines done (max_lines)"
+        else:
+            session["action"] = "resumed" if state["lines_done"] else "started"
+        if session["action"] not in ("started", "resumed"):
+            return {**read_provenance(out), "session": {**session, "lines_translated": 0}}
+        state["sessions"].append(session)
+        decode = {**options, "batch_size": batch_size, "batch_tokens": batch_tokens}
+        _translate_lines(model, tokenizer, out, files, state, fixed, counts, decode, total,
+                         chunk_lines, progress)
+        record = write_provenance(out, state, fixed, counts)
+        return {**record, "session": {**session, "lines_translated": (
+            state["lines_done"] - session["from_line"])}}
 
 
 def _translate_lines(model, tokenizer, out: Path, files: dict[str, Path], state: dict,

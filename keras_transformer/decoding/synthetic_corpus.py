@@ -12,11 +12,13 @@ what its provenance records (`check_folder`); the files are cut back to the size
 bytes); each chunk's lines are appended, flushed and fsynced (`append_pairs`) before
 `progress.json` and `provenance.json` are replaced atomically. With each line's output a
 function of the model, the options, the line and its number, a resumed run writes the same
-bytes as one that was never interrupted.
+bytes as one that was never interrupted. One process writes a folder at a time (`writing`,
+its `.lock`), so a second command given the same folder is refused, not interleaved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +108,7 @@ def check_folder(out: Path, fixed: dict) -> None:
         raise BackTranslationError(f"{out} exists and is not a folder: pass another --out.")
     provenance_path = out / PROVENANCE_FILE
     if not provenance_path.is_file():
-        if out.is_dir() and any(not p.name.startswith(".tmp-") for p in out.iterdir()):
+        if out.is_dir() and storage.holds_files(out):
             raise BackTranslationError(
                 f"{out} is a non-empty folder without {PROVENANCE_FILE}: not a "
                 "back-translation folder; pass a new or empty --out.")
@@ -119,6 +122,28 @@ def check_folder(out: Path, fixed: dict) -> None:
         raise BackTranslationError(
             f"{out} was made with other options ({'; '.join(differences)}): run the same "
             "command as before to resume it, or pass a new --out for these options.")
+
+
+@contextlib.contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Holds `out`'s lock (`storage.FolderLock`; the folder is created) while one process
+    writes it.
+
+    Raises:
+        BackTranslationError: another process is writing the folder (naming it).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    lock = storage.FolderLock(out)
+    try:
+        lock.acquire()
+    except storage.FolderInUse as error:
+        raise BackTranslationError(
+            f"{error}: another back-translation is writing it. Wait for it to end (or stop "
+            "it), then run this command again to resume; or pass another --out.") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def open_folder(out: Path, fixed: dict, started: str) -> dict[str, Any]:

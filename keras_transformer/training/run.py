@@ -104,12 +104,26 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         StorageError: the disk is full or failing: nothing was half-written, and the same
             config resumes from the last intact state once space is freed.
     """
+    # One training process writes a run directory at a time (the chief's lock; the other
+    # workers of a cluster write nothing there).
+    lock = storage.FolderLock(config.output.out)
+    try:
+        return _train(config, dry_run, lock)
+    finally:
+        lock.release()
+
+
+def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict[str, Any]:
+    """`run_training`'s work, with the run directory's `lock` taken before anything there
+    is read to be resumed or written."""
     started = time.perf_counter()
     cluster = None
     try:
         model_config = config.check()
         initial = fine_tuning.initial_run(config, model_config)  # --init-from, checked
         cluster = read_cluster()
+        if cluster.is_chief and (Path(config.output.out) / run_directory.CONFIG_FILE).is_file():
+            run_directory.lock_run_dir(lock)  # a live run there: refused before any work
         on_jax = config.optimization.backend == "jax"
         check_backend(config.optimization.backend)
         if on_jax:
@@ -168,10 +182,17 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
         return results
 
     if chief:
-        if mode == "fresh" and out.exists():
-            shutil.rmtree(out)  # --overwrite of a run directory (checked above)
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            run_directory.lock_run_dir(lock)  # held from here on (taken above if a run was there)
+            if mode == "fresh" and not config.output.overwrite and storage.holds_files(out):
+                raise run_directory.RunDirError(
+                    f"another run started in {out} while this one prepared: pass another "
+                    "--out, or run this command again once it has ended to resume it")
+        except ValueError as error:
+            raise _refused(error, cluster) from None
         if mode == "fresh":
+            run_directory.empty_run_dir(out)  # --overwrite (checked above), or temporaries
             # Written first, so that a run killed while preparing its data is resumable.
             storage.write_json(out / run_directory.CONFIG_FILE, record)
     # Non-chief workers write their (identical) files to a scratch folder removed at the end:
@@ -217,6 +238,7 @@ def run_training(config: TrainConfig, *, dry_run: bool = False) -> dict[str, Any
             "the chief evaluates and exports")
         return {"step": outcome["step"], "stop_reason": outcome["reason"], "chief": False}
     if on_jax:  # decoding, test BLEU and the SavedModel are TensorFlow's
+        lock.release()  # the finishing process takes it
         return finish_with_tensorflow(config, outcome)
     results = finish_run(config, record, corpora, outcome)
     if auto is not None:

@@ -20,6 +20,7 @@ from keras_transformer.train import main
 from keras_transformer.training.backup import list_generations
 from keras_transformer.training.checkpoints import average_checkpoints
 from keras_transformer.training.config import config_from_flags
+from pipelines import storage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,6 +157,35 @@ def test_refuses_a_run_dir_trained_with_other_settings_and_foreign_folders(tmp_p
     (out / "config.json").write_text(json.dumps({"identity": {"seed": 123}}))
     assert main(["--data", str(data), *TINY, "--out", str(out)]) == 2
     assert "different settings" in capsys.readouterr().err
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_run_dir_another_run_is_writing_is_refused_and_left_alone(tmp_path, capsys):
+    """A second command on a live run's --out (resume, --overwrite, or a fresh run in the
+    folder it has just made) stops with one line naming that run's process, and changes
+    nothing there."""
+    data = write_toy_corpus(tmp_path / "corpus", pairs=30)
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "config.json").write_text(json.dumps({"identity": {"seed": 123}}))
+    (live / "checkpoints").mkdir()
+    (live / "checkpoints" / "ckpt-10.weights.h5").write_bytes(b"weights")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for out, extra in ((live, []), (live, ["--overwrite"]), (live, ["--resume"]),
+                       (fresh, [])):
+        with storage.FolderLock(out):  # held as the live run's process holds it
+            before = _files(out)
+            assert main(["--data", str(data), *TINY, "--out", str(out), *extra]) == 2
+            error = capsys.readouterr().err.strip()
+            assert error.startswith("error:") and len(error.splitlines()) == 1, error
+            assert f"{out} is in use by another process (pid {os.getpid()} on " in error
+            assert "another training run is writing it" in error
+            assert _files(out) == before, extra
+    assert [p.name for p in fresh.iterdir()] == [".lock"]
 
 
 @pytest.mark.slow

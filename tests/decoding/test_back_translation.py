@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -22,6 +23,7 @@ from keras_transformer.decoding.back_translation import (
 )
 from keras_transformer.decoding.synthetic_corpus import PROGRESS_FILE, PROVENANCE_FILE
 from keras_transformer.decoding.translator import translate_batch
+from pipelines import storage
 from pipelines.corpora import open_corpus
 from tests.serving.test_saved_model import (
     _ENGLISH,
@@ -183,6 +185,23 @@ def test_a_folder_made_otherwise_is_refused_with_what_differs(loaded, mono, run,
     with pytest.raises(ValueError, match="sampling draws one token"):
         _bt(loaded, path, tmp_path / "new", beam_size=4, sampling_topk=0)
     assert not (tmp_path / "new").exists()
+
+
+def test_a_folder_another_process_is_writing_is_refused_and_left_alone(loaded, mono,
+                                                                        tmp_path):
+    path, _ = mono
+    out = tmp_path / "bt"
+    _bt(loaded, path, out, max_lines=5)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with storage.FolderLock(out):  # as a live back-translation of the same folder holds it
+        with pytest.raises(BackTranslationError, match=(
+                rf"{out} is in use by another process \(pid {os.getpid()} on .*another "
+                r"back-translation is writing it.*run this command again to resume")):
+            _bt(loaded, path, out)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == {
+            name: data for name, data in before.items() if name != ".lock"}
+    resumed = _bt(loaded, path, out)  # once it has ended, the same call goes on
+    assert resumed["session"]["action"] == "resumed" and resumed["complete"]
 
 
 def test_a_model_trained_the_other_way_is_refused(mono, tmp_path):

@@ -7,6 +7,7 @@ import errno
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,47 @@ def test_temporaries_of_dead_processes_are_removed_those_of_live_ones_kept(tmp_p
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_folder_lock_refuses_a_second_writer_naming_the_first(tmp_path):
+    first = storage.FolderLock(tmp_path)
+    first.acquire()
+    first.acquire()  # idempotent
+    assert first.held
+    # flock locks belong to open files: a second one in this process conflicts as another
+    # process's would.
+    with pytest.raises(storage.FolderInUse, match=rf"{tmp_path} is in use by another process "
+                       rf"\(pid {os.getpid()} on .+ since "):
+        storage.FolderLock(tmp_path).acquire()
+    first.release()
+    assert (tmp_path / storage.LOCK_FILE).read_text() == ""  # names only a live holder
+    with storage.FolderLock(tmp_path) as second:
+        assert second.held
+    assert not second.held
+
+
+def test_a_killed_holder_never_blocks_the_next_writer(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pipelines import storage; "
+         "storage.FolderLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)",
+         str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(storage.FolderInUse, match=rf"\(pid {holder.pid} on "):
+            storage.FolderLock(tmp_path).acquire()
+    finally:
+        holder.kill()  # SIGKILL: no cleanup of its own runs
+        holder.wait()
+    with storage.FolderLock(tmp_path) as lock:
+        assert lock.held
+        assert f"pid {os.getpid()} on " in (tmp_path / storage.LOCK_FILE).read_text()
+
+
+def test_only_real_files_make_a_folder_non_empty(tmp_path):
+    with storage.FolderLock(tmp_path):
+        (tmp_path / ".tmp-123-config.json").write_text("{")
+        assert not storage.holds_files(tmp_path)
+        (tmp_path / "config.json").write_text("{}")
+        assert storage.holds_files(tmp_path)
