@@ -10,7 +10,7 @@
 <run>/backup/            the newest generations of the resumable state (training.backup)
 <run>/logs/              TensorBoard
 <run>/results.json       final metrics (validation loss, BLEU with its signature, ...)
-<run>/.lock              held by the training run writing it (`lock_run_dir`)
+<run>/.lock              held by the training run writing it (`take_run_dir`)
 ```
 
 A run directory is "finished" once results.json exists; before that, the same training
@@ -19,6 +19,7 @@ command resumes it (`inspect_run_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -163,16 +164,65 @@ def lock_run_dir(lock: storage.FolderLock) -> None:
                           "finish it; or pass another --out") from None
 
 
-def empty_run_dir(out: Path) -> None:
-    """Deletes what `out` holds, for `--overwrite`, but not its lock file: a run starting
-    while this one deletes still finds the folder locked."""
+def lock_existing_run(lock: storage.FolderLock) -> None:
+    """Takes the lock of `lock.folder` if it holds a run, before `inspect_run_dir` reads it
+    (a new folder is locked by `take_run_dir`, once made).
+
+    Raises:
+        RunDirError: another training run is writing it.
+    """
+    if (lock.folder / CONFIG_FILE).is_file():
+        lock_run_dir(lock)
+
+
+def take_run_dir(lock: storage.FolderLock, mode: str, identity: dict[str, Any], *,
+                 overwrite: bool, resume: bool) -> None:
+    """Makes `lock.folder` this run's: creates it, takes its lock and, for a fresh run,
+    empties it (`--overwrite`, or temporaries of killed writes) but for the lock file.
+
+    Args:
+        lock: the run directory's lock.
+        mode: what `inspect_run_dir` (with the other arguments) said; if the lock was not
+            held then, the folder is judged again under it: another run may have begun
+            there meanwhile.
+
+    Raises:
+        RunDirError: another training run is writing it, or began there since `mode` was
+            judged.
+    """
+    out = lock.folder
+    out.mkdir(parents=True, exist_ok=True)
+    if not lock.held:
+        lock_run_dir(lock)
+        if inspect_run_dir(out, identity, overwrite=overwrite, resume=resume) != mode:
+            raise RunDirError(f"another run began in {out} while this one prepared: run this "
+                              "command again to see what is there, or pass another --out")
+    if mode == "fresh":
+        empty_run_dir(out)
+
+
+def empty_run_dir(out: Path, ignore_errors: bool = False) -> None:
+    """Deletes what `out` holds but its lock file: a run starting meanwhile still finds
+    the folder locked."""
     for entry in out.iterdir():
         if entry.name == storage.LOCK_FILE:
             continue
         if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+            shutil.rmtree(entry, ignore_errors=ignore_errors)
         else:
-            entry.unlink()
+            with contextlib.suppress(*((OSError,) if ignore_errors else ())):
+                entry.unlink()
+
+
+def delete_run_dir(out: Path) -> None:
+    """Deletes, as far as it can, the run directory of a fresh run that failed; its lock
+    file last, while still held."""
+    if not out.is_dir():
+        return
+    empty_run_dir(out, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (out / storage.LOCK_FILE).unlink(missing_ok=True)
+        out.rmdir()
 
 
 def run_record(config: TrainConfig, model_config) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import glob
 import json
+import logging
 import os
 import shutil
 import socket
@@ -49,6 +50,7 @@ _REASONS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quo
 _MESSAGES = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
              "Read-only file system": errno.EROFS, "Input/output error": errno.EIO}
 _CHUNK = 8 << 20
+_LOG = logging.getLogger("pipelines")
 TEMPORARY_PREFIX = ".tmp-"
 LOCK_FILE = ".lock"
 
@@ -321,10 +323,14 @@ class FolderLock:
     Two commands given the same output folder (a training run started twice, a resume while
     the first run still lives) would otherwise interleave their checkpoints and appends.
     The kernel releases the lock when its process ends, however it ends, so a killed run's
-    lock never blocks the resume. Linux's `flock` covers NFS too (as a POSIX lock); where
-    there is no `fcntl` (Windows) the lock is a no-op. The lock file stays, empty once released;
-    `holds_files` does not count it. Files Python opens are not inherited by
-    child processes (PEP 446), so a subprocess does not hold its parent's lock.
+    lock never blocks the resume. Locks conflict between processes, also on NFS (where Linux
+    makes `flock` a POSIX lock; within one process those do not conflict, so each process
+    takes a folder's lock once). Where locks cannot be had — no `fcntl` (Windows), a file
+    system without them (ENOLCK, ENOSYS, EOPNOTSUPP), a folder this process may not write to
+    — `acquire` logs why and goes on unlocked: one writer is then the user's to ensure. The
+    lock file stays, empty once released; `holds_files` does not count it. Files Python
+    opens are not inherited by child processes (PEP 446), so a subprocess does not hold its
+    parent's lock.
 
     Use `with FolderLock(folder):`, or `acquire()` and `release()` (both idempotent).
     """
@@ -342,33 +348,48 @@ class FolderLock:
 
         Raises:
             FolderInUse: another process holds it (naming that process).
-            StorageError: the lock file cannot be written (full or read-only disk).
         """
         if self._descriptor is not None:
             return
         try:
             import fcntl
-        except ImportError:  # no flock (Windows): one writer is the user's to ensure
+        except ImportError:
             return
-        path = self.folder / LOCK_FILE
-        with errors_about(path):
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        descriptor = self._open(self.folder / LOCK_FILE)
+        if descriptor is None:
+            return
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
-            holder = os.pread(descriptor, 4096, 0).decode("utf-8", "replace").strip()
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.pread(descriptor, 4096, 0).decode("utf-8", "replace").strip()
             os.close(descriptor)
             if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise FolderInUse(self.folder, holder) from None
-            raise
+            _LOG.warning("%s: no lock (%s): make sure no other process writes there",
+                         self.folder, os.strerror(error.errno or 0))
+            return
+        self._descriptor = descriptor
         holder = (f"pid {os.getpid()} on {socket.gethostname()} since "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-        try:  # who holds it, for the refusal another process shows; not needed for the lock
+        with contextlib.suppress(OSError):  # who holds it, for another process's refusal
             os.ftruncate(descriptor, 0)
             os.pwrite(descriptor, holder.encode() + b"\n", 0)
-        except OSError:
-            pass
-        self._descriptor = descriptor
+
+    def _open(self, path: Path) -> int | None:
+        """The lock file's descriptor (read-write, else read-only: `flock` needs neither
+        mode in particular), or None where this process can do neither (logged)."""
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            try:
+                return os.open(path, os.O_RDONLY)
+            except OSError:
+                _LOG.warning("%s: no lock (%s)", self.folder, os.strerror(error.errno))
+                return None
 
     def release(self) -> None:
         """Lets the lock go (closing the file releases the `flock`); the file is emptied

@@ -97,3 +97,25 @@ def test_a_lock_file_alone_is_an_empty_run_dir_and_overwriting_keeps_it(tmp_path
         with pytest.raises(storage.FolderInUse):  # still held: no run can start meanwhile
             storage.FolderLock(run).acquire()
     assert not lock.held
+
+
+def test_a_run_that_began_while_this_one_prepared_is_not_taken_over(tmp_path):
+    out = tmp_path / "run"
+    mode = inspect_run_dir(out, IDENTITY)  # absent: fresh, judged before the lock
+    _run(tmp_path)  # another run began there meanwhile
+    lock = storage.FolderLock(out)
+    try:
+        with pytest.raises(RunDirError, match=f"another run began in {out}"):
+            run_directory.take_run_dir(lock, mode, IDENTITY, overwrite=False, resume=False)
+    finally:
+        lock.release()
+    assert (out / run_directory.CONFIG_FILE).is_file()  # left alone
+    lock = storage.FolderLock(out)
+    try:  # judged under the lock, --overwrite empties it all but the lock
+        run_directory.take_run_dir(lock, "fresh", IDENTITY, overwrite=True, resume=False)
+        assert [p.name for p in out.iterdir()] == [storage.LOCK_FILE] and lock.held
+        (out / "checkpoints").mkdir()
+        run_directory.delete_run_dir(out)  # a fresh run that failed leaves nothing
+        assert not out.exists()
+    finally:
+        lock.release()

@@ -122,8 +122,6 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
         model_config = config.check()
         initial = fine_tuning.initial_run(config, model_config)  # --init-from, checked
         cluster = read_cluster()
-        if cluster.is_chief and (Path(config.output.out) / run_directory.CONFIG_FILE).is_file():
-            run_directory.lock_run_dir(lock)  # a live run there: refused before any work
         on_jax = config.optimization.backend == "jax"
         check_backend(config.optimization.backend)
         if on_jax:
@@ -134,6 +132,8 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
         # Before any other TF work (multi-worker needs it), and before the corpora: the
         # step's budget depends on the replicas and is refused before anything is read.
         strategy = None if on_jax else select_strategy(cluster, config.cluster.join_timeout)
+        if cluster.is_chief and not dry_run:  # a live run there: refused before any work
+            run_directory.lock_existing_run(lock)
         budget = config.batches.budget(1 if on_jax else strategy.num_replicas_in_sync,
                                        config.data.max_length)
         if config.recipe == AUTO:
@@ -182,17 +182,13 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
         return results
 
     if chief:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            run_directory.lock_run_dir(lock)  # held from here on (taken above if a run was there)
-            if mode == "fresh" and not config.output.overwrite and storage.holds_files(out):
-                raise run_directory.RunDirError(
-                    f"another run started in {out} while this one prepared: pass another "
-                    "--out, or run this command again once it has ended to resume it")
+        try:  # held from here on (taken above if a run was there)
+            run_directory.take_run_dir(lock, mode, record["identity"],
+                                       overwrite=config.output.overwrite,
+                                       resume=config.output.resume)
         except ValueError as error:
             raise _refused(error, cluster) from None
         if mode == "fresh":
-            run_directory.empty_run_dir(out)  # --overwrite (checked above), or temporaries
             # Written first, so that a run killed while preparing its data is resumable.
             storage.write_json(out / run_directory.CONFIG_FILE, record)
     # Non-chief workers write their (identical) files to a scratch folder removed at the end:
@@ -224,7 +220,7 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
         if isinstance(failure, ClusterFailure):
             raise failure from None
         if chief and mode == "fresh":
-            shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays behind
+            run_directory.delete_run_dir(out)  # nothing half-written stays behind
         raise _refused(failure, cluster) from None
     finally:
         if not chief:

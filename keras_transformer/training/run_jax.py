@@ -45,8 +45,18 @@ def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
         "finished": False and "finish_command": the command that scores and exports the run.
 
     Raises:
-        UsageError: no --prepared folder, a damaged one, or a bad setting or run directory.
+        UsageError: no --prepared folder, a damaged one, or a bad setting or run directory
+            (another training run writing it, too: `run.run_training`'s lock).
     """
+    lock = storage.FolderLock(config.output.out)
+    try:
+        return _train(config, say, lock)
+    finally:
+        lock.release()
+
+
+def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLock
+           ) -> dict[str, Any]:
     started = time.perf_counter()
     check_backend("jax")
     if not config.data.prepared:
@@ -65,14 +75,14 @@ def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
     folder.verify()
     record = run_directory.run_record(config, model_config)
     out = Path(config.output.out)
+    run_directory.lock_existing_run(lock)
     mode = run_directory.inspect_run_dir(out, record["identity"],
                                          overwrite=config.output.overwrite,
                                          resume=config.output.resume)
     if mode == "finished":
         return run_directory.read_json(out / run_directory.RESULTS_FILE)
-    if mode == "fresh" and out.exists():
-        shutil.rmtree(out)  # --overwrite (checked above)
-    out.mkdir(parents=True, exist_ok=True)
+    run_directory.take_run_dir(lock, mode, record["identity"],
+                               overwrite=config.output.overwrite, resume=config.output.resume)
     tokenizer = out / run_directory.TOKENIZER_DIR
     if not tokenizer.exists():  # the finishing command decodes with it
         shutil.copytree(folder.directory / run_directory.TOKENIZER_DIR, tokenizer)

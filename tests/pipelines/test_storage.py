@@ -120,3 +120,16 @@ def test_only_real_files_make_a_folder_non_empty(tmp_path):
         assert not storage.holds_files(tmp_path)
         (tmp_path / "config.json").write_text("{}")
         assert storage.holds_files(tmp_path)
+
+
+def test_a_file_system_without_locks_is_written_unlocked_with_a_warning(tmp_path, monkeypatch,
+                                                                         caplog):
+    import fcntl
+
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="pipelines"), storage.FolderLock(tmp_path) as lock:
+        assert not lock.held
+    assert f"{tmp_path}: no lock (No locks available)" in caplog.text
