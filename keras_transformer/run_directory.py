@@ -201,28 +201,24 @@ def take_run_dir(lock: storage.FolderLock, mode: str, identity: dict[str, Any], 
         empty_run_dir(out)
 
 
-def empty_run_dir(out: Path, ignore_errors: bool = False) -> None:
+def empty_run_dir(out: Path) -> None:
     """Deletes what `out` holds but its lock file: a run starting meanwhile still finds
     the folder locked."""
     for entry in out.iterdir():
         if entry.name == storage.LOCK_FILE:
             continue
         if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=ignore_errors)
+            shutil.rmtree(entry)
         else:
-            with contextlib.suppress(*((OSError,) if ignore_errors else ())):
-                entry.unlink()
+            entry.unlink()
 
 
 def delete_run_dir(out: Path) -> None:
     """Deletes, as far as it can, the run directory of a fresh run that failed; its lock
     file last, while still held."""
-    if not out.is_dir():
-        return
-    empty_run_dir(out, ignore_errors=True)
     with contextlib.suppress(OSError):
-        (out / storage.LOCK_FILE).unlink(missing_ok=True)
-        out.rmdir()
+        empty_run_dir(out)
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def run_record(config: TrainConfig, model_config) -> dict[str, Any]:
