@@ -348,6 +348,7 @@ class FolderLock:
 
         Raises:
             FolderInUse: another process holds it (naming that process).
+            StorageError: the lock file cannot be created on a full or failing disk.
         """
         if self._descriptor is not None:
             return
@@ -380,8 +381,9 @@ class FolderLock:
     def _open(self, path: Path) -> int | None:
         """The lock file's descriptor (read-write, else read-only: `flock` needs neither
         mode in particular), or None where this process can do neither (logged)."""
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:  # a full or failing disk: `StorageError`, as any other write of the project
+            with errors_about(path):
+                return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as error:
             if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise

@@ -133,3 +133,13 @@ def test_a_file_system_without_locks_is_written_unlocked_with_a_warning(tmp_path
     with caplog.at_level("WARNING", logger="pipelines"), storage.FolderLock(tmp_path) as lock:
         assert not lock.held
     assert f"{tmp_path}: no lock (No locks available)" in caplog.text
+
+
+def test_a_lock_file_on_a_full_disk_is_a_storage_error(tmp_path, monkeypatch):
+    def no_space(path, flags, mode=0o777):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(os, "open", no_space)
+    with pytest.raises(storage.StorageError, match=rf"no space left on the device writing "
+                       rf"{tmp_path / storage.LOCK_FILE}"):
+        storage.FolderLock(tmp_path).acquire()
