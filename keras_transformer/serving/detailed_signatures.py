@@ -59,6 +59,7 @@ _TOP_P = tf.TensorSpec([], tf.float32, name="top_p")
 _TEMPERATURE = tf.TensorSpec([], tf.float32, name="temperature")
 _BEAM = tf.TensorSpec([], tf.int32, name="beam_size")
 _ALPHA = tf.TensorSpec([], tf.float32, name="alpha")
+_SOURCE = tf.TensorSpec([None, None], tf.int32, name="source_ids")
 
 
 def clip_beam_and_alpha(beam_size, alpha):
@@ -145,18 +146,44 @@ class DetailedSignatures:
 
     # --- shared ---
 
+    # The searches that several signatures run alike (plain greedy: translate,
+    # translate_nbest, translate_details; every beam: translate_nbest, translate_details) are
+    # functions of their own, which each of those signatures calls: traced once per export,
+    # not once per signature (tracing is most of an export's time), and stored once.
+
+    @tf.function(input_signature=[_SOURCE], autograph=False)
+    def _greedy_search(self, source_ids):
+        """greedy_search of a 0-padded chunk (n, S): ids (n, T), summed log-probs (n,)."""
+        return greedy_search(self.model, source_ids, extra_length=self.max_extra_length,
+                             max_length=self.max_output_tokens, jit_compile=self.jit_compile)
+
+    @tf.function(input_signature=[_SOURCE, _BEAM, _ALPHA], autograph=False)
+    def _beam_search(self, source_ids, beam_size, alpha):
+        """beam_search of a 0-padded chunk (n, S) returning all beam_size hypotheses: ids
+        (n, beam_size, T) and length-penalized scores (n, beam_size), best first."""
+        return beam_search(self.model, source_ids, beam_size=beam_size, alpha=alpha,
+                           extra_length=self.max_extra_length,
+                           max_length=self.max_output_tokens, num_return=None,
+                           jit_compile=self.jit_compile)
+
     def _greedy_ids(self, source, prefix=None, sampling=None, seeds=None):
-        ids, log_probs = greedy_search(
-            self.model, source, extra_length=self.max_extra_length,
-            max_length=self.max_output_tokens, jit_compile=self.jit_compile, prefix_ids=prefix,
-            sampling=sampling, seeds=seeds)
+        if prefix is None and sampling is None:
+            ids, log_probs = self._greedy_search(source)
+        else:
+            ids, log_probs = greedy_search(
+                self.model, source, extra_length=self.max_extra_length,
+                max_length=self.max_output_tokens, jit_compile=self.jit_compile,
+                prefix_ids=prefix, sampling=sampling, seeds=seeds)
         return ids[:, None, :], log_probs[:, None]
 
     def _beam_ids(self, source, beam_size, alpha, num_return=None, prefix=None):
-        ids, scores = beam_search(
-            self.model, source, beam_size=beam_size, alpha=alpha,
-            extra_length=self.max_extra_length, max_length=self.max_output_tokens,
-            num_return=num_return, jit_compile=self.jit_compile, prefix_ids=prefix)
+        if num_return is None and prefix is None:
+            ids, scores = self._beam_search(source, beam_size, alpha)
+        else:
+            ids, scores = beam_search(
+                self.model, source, beam_size=beam_size, alpha=alpha,
+                extra_length=self.max_extra_length, max_length=self.max_output_tokens,
+                num_return=num_return, jit_compile=self.jit_compile, prefix_ids=prefix)
         if num_return == 1:
             ids, scores = ids[:, None, :], scores[:, None]
         lengths = tf.reduce_sum(tf.cast(ids != PAD_ID, tf.int32), axis=-1)

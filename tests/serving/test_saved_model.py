@@ -6,6 +6,7 @@ plot tests import, and a small file system to fill (`small_filesystem`, `fill`).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -286,10 +287,9 @@ def test_mixed_bfloat16_model_is_served_in_float32(exported):
         loaded.signatures["serving_default"](inputs=inputs)["outputs"])
 
 
-def test_xla_compiled_export_gives_the_same_translations(exported, tmp_path):
-    tokenizer, model, _, loaded = exported
-    path = export_saved_model(model, tokenizer, tmp_path / "xla", max_input_tokens=MAX_INPUT_TOKENS,
-                              max_extra_length=MAX_EXTRA, chunk_size=4, jit_compile=True)
+def test_xla_compiled_export_gives_the_same_translations(exported, export_after_a_full_disk):
+    _, _, _, loaded = exported
+    path = export_after_a_full_disk.made
     assert json.loads((path / METADATA_FILE).read_text())["jit_compile"] is True
     compiled = tf.saved_model.load(str(path))
     # Sentences of different lengths, more than a chunk: the batch shrinks as they finish.
@@ -375,35 +375,70 @@ def _save_on_a_full_disk(module, directory, signatures=None):
                                            "[Op:SaveV2]")
 
 
-def test_a_full_disk_stops_the_export_and_leaves_the_earlier_version(exported, tmp_path,
-                                                                      monkeypatch):
+@dataclasses.dataclass
+class _FullDisk:
+    """What `export_after_a_full_disk` saw: the export base, the earlier version's files
+    before the failed export and after it, the entries of the base after it, the error it
+    raised (None if none) and the version made once space was freed."""
+
+    base: Path
+    before: dict[str, str]
+    after: dict[str, str]
+    entries: list[str]
+    failure: BaseException | None
+    made: Path
+
+
+@pytest.fixture(scope="module")
+def export_after_a_full_disk(exported, tmp_path_factory):
+    """An XLA-compiled export (chunks of 4) tried on a disk with room for a copy of the
+    earlier version but not for the new one's variables (250 KB), then, with space freed,
+    the same export again. The full-disk test checks the first, the XLA test runs the
+    second: each export traces its signatures for ~20 s, so they share this one."""
     tokenizer, model, path, _ = exported
     earlier = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
-    disk = tmp_path / "disk"
-    # Room for a copy of the earlier version, not for the new one's variables (250 KB).
-    with small_filesystem(disk, earlier + 160_000) as mounted:
+    disk = tmp_path_factory.mktemp("full_disk")
+
+    def export(base):
+        return export_saved_model(model, tokenizer, base, max_input_tokens=MAX_INPUT_TOKENS,
+                                  max_extra_length=MAX_EXTRA, chunk_size=4, jit_compile=True)
+
+    with (small_filesystem(disk, earlier + 160_000) as mounted,
+          pytest.MonkeyPatch.context() as monkeypatch):
         base = disk / "demo"
         shutil.copytree(path, base / "1")
         before = snapshot(base / "1")
         if not mounted:
             monkeypatch.setattr(tf.saved_model, "save", _save_on_a_full_disk)
-        with pytest.raises(StorageError) as failure:
-            export_saved_model(model, tokenizer, base, max_input_tokens=MAX_INPUT_TOKENS,
-                               max_extra_length=MAX_EXTRA, chunk_size=CHUNK)
-        error = failure.value
-        assert error.errno == errno.ENOSPC and error.path == base / "2"
-        # The weights are what it needed at least (the export failed while writing them).
-        assert error.needed >= 4 * model.count_params()
-        message = str(error)
-        assert str(base / "2") in message and "needed" in message and "\n" not in message
-        assert [p.name for p in base.iterdir()] == ["1"]  # no temporary folder, no version 2
-        assert snapshot(base / "1") == before
-        # Free space (or no failure any more), run the same export again: version 2.
+        failure = None
+        try:
+            export(base)
+        except Exception as error:  # kept for the test, which asserts what it is
+            failure = error
+        entries, after = [p.name for p in base.iterdir()], snapshot(base / "1")
+        # Free space (or no failure any more), run the same export again.
         if mounted:
             subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
         monkeypatch.undo()
-        again = export_saved_model(model, tokenizer, base, max_input_tokens=MAX_INPUT_TOKENS,
-                                   max_extra_length=MAX_EXTRA, chunk_size=CHUNK)
-        assert again == base / "2" and latest_version(base) == 2
-        assert snapshot(again).keys() == before.keys()
-        assert not [p for p in base.iterdir() if p.name.startswith(".")]
+        yield _FullDisk(base, before, after, entries, failure, export(base))
+
+
+def test_a_full_disk_stops_the_export_and_leaves_the_earlier_version(exported,
+                                                                      export_after_a_full_disk):
+    _, model, _, _ = exported
+    disk = export_after_a_full_disk
+    base = disk.base
+    error = disk.failure
+    assert isinstance(error, StorageError), repr(error)
+    assert error.errno == errno.ENOSPC and error.path == base / "2"
+    # The weights are what it needed at least (the export failed while writing them).
+    assert error.needed >= 4 * model.count_params()
+    message = str(error)
+    assert str(base / "2") in message and "needed" in message and "\n" not in message
+    assert disk.entries == ["1"]  # no temporary folder, no version 2
+    assert disk.after == disk.before
+    # The same export again, with space freed: version 2.
+    again = disk.made
+    assert again == base / "2" and latest_version(base) == 2
+    assert snapshot(again).keys() == disk.before.keys()
+    assert not [p for p in base.iterdir() if p.name.startswith(".")]
