@@ -25,6 +25,7 @@ from keras_transformer.cluster.workers import (
     cluster_error,
     read_cluster,
 )
+from keras_transformer.train import main
 from keras_transformer.training.backup import newest_step
 from keras_transformer.training.callbacks import AgreedStop, StopAt
 from tests.cli.test_train import REPO, cli_env, write_toy_corpus
@@ -228,7 +229,7 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_cluster_that_cannot_start_fails_with_one_clear_error_in_bounded_time(
-        tmp_path, launch):
+        tmp_path, launch, capsys, monkeypatch):
     data = write_toy_corpus(tmp_path / "corpus", pairs=40)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -253,9 +254,13 @@ def test_a_cluster_that_cannot_start_fails_with_one_clear_error_in_bounded_time(
                                   f"127.0.0.1:{ports[4]}"]}, index=0),
             [], rf"^error: this task is worker 0 .* port {busy.getsockname()[1]} is already in "
             "use on this machine"),
-        "index out of range": (tf_config({"worker": pair}, index=2), [],
+    }
+    # TF_CONFIG itself refused: the same command's `main` in this process (no cluster, no
+    # TensorFlow start is needed to tell).
+    refused_here = {
+        "index out of range": (tf_config({"worker": pair}, index=2),
                                r"^error: TF_CONFIG task index 2 is out of range"),
-        "malformed": ('{"cluster": {"worker": [', [], r"^error: TF_CONFIG is not valid JSON"),
+        "malformed": ('{"cluster": {"worker": [', r"^error: TF_CONFIG is not valid JSON"),
     }
     started = time.monotonic()
     processes = {}
@@ -266,6 +271,15 @@ def test_a_cluster_that_cannot_start_fails_with_one_clear_error_in_bounded_time(
             command[at:at + 2] = flags
         processes[name] = launch(config, command)
     try:
+        for name, (config, expected) in refused_here.items():
+            monkeypatch.setenv("TF_CONFIG", config)
+            capsys.readouterr()
+            status = main(train_command(data, tmp_path / name.replace(" ", "-"), *join)[3:])
+            stdout, stderr = capsys.readouterr()
+            lines = error_lines(stderr)
+            assert status == 2, (name, stdout[-2000:], stderr[-3000:])
+            assert len(lines) == 1 and re.search(expected, lines[0]), (name, lines)
+            assert not (tmp_path / name.replace(" ", "-")).exists(), name
         for name, (_, _, expected) in cases.items():
             stdout, stderr = processes[name].communicate(timeout=120)
             lines = error_lines(stderr)
@@ -274,7 +288,7 @@ def test_a_cluster_that_cannot_start_fails_with_one_clear_error_in_bounded_time(
             assert not (tmp_path / name.replace(" ", "-")).exists(), name
     finally:
         busy.close()
-    # All five ran side by side on 2 cores: TensorFlow's start, then at most the 4 s wait.
+    # All ran side by side on 2 cores: TensorFlow's start, then at most the 4 s wait.
     assert time.monotonic() - started < 120
 
 

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from keras_transformer.train import main
 from tests.cli.test_train import REPO, TINY, cli_env, write_toy_corpus
 from tests.storage_faults import small_filesystem
-from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH
+from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH, in_this_process
 
 STEPS, EVERY = 30, 10
 
@@ -34,11 +33,6 @@ def _command(data: Path, out: Path) -> list[str]:
             "none", "--no-export", "--out", str(out)]
 
 
-def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=REPO, env=cli_env(**env), capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.fixture
 def same_command(capsys):
     """Runs a train command's `main` in this process (what `python -m` runs, without
@@ -46,10 +40,7 @@ def same_command(capsys):
     process, its stdout and stderr captured."""
 
     def run(command: list[str]) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        status = main(command[3:])
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(command, status, captured.out, captured.err)
+        return in_this_process(command, capsys)
 
     return run
 

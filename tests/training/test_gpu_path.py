@@ -6,6 +6,7 @@ kernels off), through the train command."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -146,31 +147,40 @@ def test_masks_stay_finite_in_float16():
     assert output.dtype == np.float16 and np.all(np.isfinite(output))
 
 
+def _command(data, out, *flags) -> list[str]:
+    return [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TOY,
+            "--out", str(out), *flags]
+
+
 def _train(data, out, *flags, env=None, timeout=600):
-    command = [sys.executable, "-m", "keras_transformer.train", "--data", str(data), *TOY,
-               "--out", str(out), *flags]
-    return subprocess.run(command, cwd=REPO, env=cli_env(**(env or {})), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(_command(data, out, *flags), cwd=REPO, env=cli_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_exports(
-        tmp_path):
+        tmp_path, capsys, monkeypatch):
     import tensorflow as tf
     import tensorflow_text  # noqa: F401 (registers the SavedModel's tokenizer ops)
 
+    from tests.training.test_resume import in_this_process
+
+    # Both runs in this process (what `python -m` runs, without starting TensorFlow again):
+    # the fused kernels' switch is read at each run.
+    for name, value in TF_OPS.items():
+        monkeypatch.setenv(name, value)
     data = write_toy_corpus(tmp_path / "corpus")
     out, export = tmp_path / "run", tmp_path / "export"
     # A loss scale of 2^100 overflows float16 for ~85 halvings: every update here is skipped.
     flags = ["--precision", "mixed_float16", "--initial-loss-scale", str(2.0**100),
              "--checkpoint-every", "2", "--average-last", "3", "--beam", "1",
              "--test-limit", "5", "--export-dir", str(export)]
-    first = _train(data, out, *flags, "--max-steps", "4", "--test-split", "none",
-                   "--no-export", env=TF_OPS)
+    first = in_this_process(_command(data, out, *flags, "--max-steps", "4", "--test-split",
+                                     "none", "--no-export"), capsys)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     # The same run, allowed further: resumed from its backup at step 4.
     (out / "results.json").unlink()
-    second = _train(data, out, *flags, "--max-steps", "6", env=TF_OPS)
+    second = in_this_process(_command(data, out, *flags, "--max-steps", "6"), capsys)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert "resuming at step 4, until 6 steps" in second.stdout
     results = json.loads((out / "results.json").read_text())
@@ -195,10 +205,14 @@ def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batc
     # sentences: their batches come in 2 shapes, and each shape costs an XLA compile.
     data = write_toy_corpus(tmp_path / "corpus", pairs=120, sentence_words=(3, 4))
     out = tmp_path / "run"
+    # XLA's CPU backend at optimization level 0: the same steps, each shape compiled by XLA,
+    # in far less compile time (how fast the compiled code runs 4 steps is not what is
+    # tested). XLA reads its flags once, at its start: a process of its own.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     result = _train(data, out, "--jit-compile", "on", "--precision", "mixed_float16",
                     "--initial-loss-scale", str(2.0**24), "--max-steps", "4",
                     "--checkpoint-every", "2", "--test-split", "none", "--no-export",
-                    env=TF_OPS)
+                    env={**TF_OPS, "XLA_FLAGS": flags})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())

@@ -10,9 +10,9 @@ from tests.training.test_damaged_runs import (
     _assert_finished,
     _command,
     _output,
-    _run,
     fault_at_a_write,
 )
+from tests.training.test_resume import in_this_process
 
 # Each kind of file a run writes, by its writer and its moment in the run, in the order a
 # run writes them, with what the run killed there must have said first (how it resumed
@@ -30,7 +30,7 @@ WRITES = [("config.json", 1, None), ("shard-", 1, None), ("ckpt-", 1, None),
           ("state.json", 2, "resuming at step 10, until 30 steps")]
 
 
-def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_path):
+def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_path, capsys):
     data = write_toy_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
     command = _command(data, out)
@@ -41,6 +41,7 @@ def test_sigkill_while_writing_each_kind_of_file_leaves_a_run_that_resumes(tmp_p
         assert "Traceback" not in output and "damaged" not in output, output[-3000:]
         if resumed is not None:
             assert resumed in output, (pattern, output[-3000:])
-    finished = _run(command)
+    # The killed runs need processes of their own; the one that finishes does not.
+    finished = in_this_process(command, capsys)
     _assert_finished(finished, out)
     assert "resuming at step 20, until 30 steps" in _output(finished)
