@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,9 @@ import pytest
 
 import keras_transformer
 from keras_transformer.flags import parse_train_args
+from keras_transformer.train import main as train_main
 from keras_transformer.training.config import setting_fields
-from tests.cli.test_train import REPO, cli_env
+from tests.cli.test_train import REPO
 
 NOTEBOOK = REPO / "notebooks" / "multi30k.ipynb"
 
@@ -147,7 +146,7 @@ def test_committed_notebook_carries_a_full_run():
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_notebook_runs_end_to_end(multi30k_dir, tmp_path):
+def test_notebook_runs_end_to_end(multi30k_dir, tmp_path, capsys):
     from nbclient import NotebookClient
 
     notebook = read_notebook()  # executed in memory: the committed file is left as it is
@@ -168,7 +167,8 @@ def test_notebook_runs_end_to_end(multi30k_dir, tmp_path):
     # (the recipe, and every value config.json recorded), train to the same results. Only the
     # run directory differs, and the command skips the export (the notebook's was checked
     # above; an export costs as much as the rest of this run); the prepared data is the
-    # notebook run's.
+    # notebook run's. The command's main runs here: the notebook's kernel was no fresh process
+    # either, and TensorFlow is loaded here already.
     run = tmp_path / "work" / "run"
     arguments = json.loads((run / "config.json").read_text())["arguments"]
     assert arguments["prepared"] == str(tmp_path / "work" / "prepared")
@@ -176,11 +176,11 @@ def test_notebook_runs_end_to_end(multi30k_dir, tmp_path):
     settings = {**arguments, "out": str(tmp_path / "cli_run"), "no_export": True}
     argv = train_argv(settings)
     assert parse_train_args(argv)[0].flags() == settings
-    command = subprocess.run([sys.executable, "-m", "keras_transformer.train", *argv],
-                             cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                             timeout=1200)
-    assert command.returncode == 0, command.stdout + command.stderr
-    assert "training pairs into" not in command.stdout, "the prepared data were made again"
+    capsys.readouterr()
+    status = train_main(argv)
+    printed = capsys.readouterr()
+    assert status == 0, printed.out + printed.err
+    assert "training pairs into" not in printed.out, "the prepared data were made again"
     notebook_results = json.loads((run / "results.json").read_text())
     cli_results = json.loads((tmp_path / "cli_run" / "results.json").read_text())
     assert (Path(notebook_results["export"]) / "saved_model.pb").is_file()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from keras_transformer.flags import parse_train_args
+from keras_transformer.prepare import main as prepare_main
 from keras_transformer.training.backup import newest_step
 from keras_transformer.training.config import config_from_flags
 from tests.cli.test_train import REPO, cli_env, write_toy_corpus
@@ -45,7 +46,10 @@ WITHOUT_TENSORFLOW = textwrap.dedent(
 ) + KILLED_AFTER_A_MICRO_BATCH
 
 
-STEPS, EVERY, ACCUMULATE = 8, 4, 2
+STEPS, EVERY, ACCUMULATE = 4, 2, 2
+# Sentences of 2 or 3 words: their micro-batches take 3 of the XLA bucket shapes (the default
+# 3 to 8 words take 6), and every process compiles a step for each shape it meets.
+SENTENCE_WORDS = (2, 3)
 
 
 def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0):
@@ -75,12 +79,10 @@ def _weights(path) -> dict[str, np.ndarray]:
 
 def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_command(
         tmp_path):
-    data, prepared = write_toy_corpus(tmp_path / "corpus"), tmp_path / "prepared"
-    made = subprocess.run(
-        [sys.executable, "-m", "keras_transformer.prepare", "--data", str(data), "--src", "xx",
-         "--tgt", "yy", "--vocab-size", "300", "--max-length", "32", "--out", str(prepared)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-3000:]
+    data = write_toy_corpus(tmp_path / "corpus", sentence_words=SENTENCE_WORDS)
+    prepared = tmp_path / "prepared"  # here, where TensorFlow is: the runs below read it
+    assert prepare_main(["--data", str(data), "--src", "xx", "--tgt", "yy", "--vocab-size",
+                         "300", "--max-length", "32", "--out", str(prepared)]) == 0
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
 
     # Where TensorFlow is installed, the JAX run finishes itself under TensorFlow.
@@ -94,8 +96,8 @@ def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_c
     assert expected_results["steps"] == STEPS and "tok:13a" in expected_results["bleu_signature"]
     assert json.loads((reference / "config.json").read_text())["backend"] == "jax"
 
-    # Without TensorFlow: killed after update 5 and the first micro-batch of update 6 (the
-    # last backup is at 4), then resumed.
+    # Without TensorFlow: killed after update 3 and the first micro-batch of update 4 (the
+    # last backup is at 2), then resumed.
     victim = _train(data, prepared, resumed, kill_at=ACCUMULATE * (EVERY + 1) + 1)
     assert victim.returncode == -signal.SIGKILL, victim.stdout[-2000:] + victim.stderr[-3000:]
     assert newest_step(resumed / "backup") == EVERY
