@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,9 @@ import pytest
 
 import keras_transformer
 from keras_transformer.flags import parse_train_args
-from keras_transformer.train import main as train_main
 from keras_transformer.training.config import setting_fields
 from tests.cli.test_train import REPO
+from tests.training.test_resume import in_this_process
 
 NOTEBOOK = REPO / "notebooks" / "multi30k.ipynb"
 
@@ -176,11 +177,9 @@ def test_notebook_runs_end_to_end(multi30k_dir, tmp_path, capsys):
     settings = {**arguments, "out": str(tmp_path / "cli_run"), "no_export": True}
     argv = train_argv(settings)
     assert parse_train_args(argv)[0].flags() == settings
-    capsys.readouterr()
-    status = train_main(argv)
-    printed = capsys.readouterr()
-    assert status == 0, printed.out + printed.err
-    assert "training pairs into" not in printed.out, "the prepared data were made again"
+    command = in_this_process([sys.executable, "-m", "keras_transformer.train", *argv], capsys)
+    assert command.returncode == 0, command.stdout + command.stderr
+    assert "training pairs into" not in command.stdout, "the prepared data were made again"
     notebook_results = json.loads((run / "results.json").read_text())
     cli_results = json.loads((tmp_path / "cli_run" / "results.json").read_text())
     assert (Path(notebook_results["export"]) / "saved_model.pb").is_file()

@@ -25,10 +25,10 @@ from keras_transformer.cluster.workers import (
     cluster_error,
     read_cluster,
 )
-from keras_transformer.train import main
 from keras_transformer.training.backup import newest_step
 from keras_transformer.training.callbacks import AgreedStop, StopAt
 from tests.cli.test_train import REPO, cli_env, write_toy_corpus
+from tests.training.test_resume import in_this_process
 
 TWO = {"worker": ["127.0.0.1:1001", "127.0.0.1:1002"]}
 
@@ -273,11 +273,11 @@ def test_a_cluster_that_cannot_start_fails_with_one_clear_error_in_bounded_time(
     try:
         for name, (config, expected) in refused_here.items():
             monkeypatch.setenv("TF_CONFIG", config)
-            capsys.readouterr()
-            status = main(train_command(data, tmp_path / name.replace(" ", "-"), *join)[3:])
-            stdout, stderr = capsys.readouterr()
+            refused = in_this_process(train_command(data, tmp_path / name.replace(" ", "-"),
+                                                    *join), capsys)
+            stdout, stderr = refused.stdout, refused.stderr
             lines = error_lines(stderr)
-            assert status == 2, (name, stdout[-2000:], stderr[-3000:])
+            assert refused.returncode == 2, (name, stdout[-2000:], stderr[-3000:])
             assert len(lines) == 1 and re.search(expected, lines[0]), (name, lines)
             assert not (tmp_path / name.replace(" ", "-")).exists(), name
         for name, (_, _, expected) in cases.items():
