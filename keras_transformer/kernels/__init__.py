@@ -82,10 +82,28 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.partition("\n")[0]
 
 
+@functools.cache
+def _target_flags(compiler: str) -> tuple[str, ...]:
+    """Flags that keep `-march=native` compilable against TensorFlow's bundled Eigen.
+
+    On CPUs with AVX512-FP16 (Intel Sapphire Rapids and later), `-march=native` defines
+    `__AVX512FP16__` and Eigen's `PacketMathFP16.h` in TensorFlow 2.x headers then fails to
+    compile under g++ 12 ("expected initializer before '<' token"). Our kernels compute in
+    float32 and bfloat16, so those half-precision packets are not needed: turn them off.
+    """
+    try:
+        result = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+                                capture_output=True, text=True)
+    except OSError:
+        return ()
+    return ("-mno-avx512fp16",) if "__AVX512FP16__" in result.stdout else ()
+
+
 def _build_command(output: Path) -> list[str]:
     import tensorflow as tf
 
     return [_compiler(), "-std=c++17", "-shared", "-fPIC", *_OPTIMIZATION_FLAGS,
+            *_target_flags(_compiler()),
             *tf.sysconfig.get_compile_flags(), *map(str, SOURCES), "-o", str(output),
             *tf.sysconfig.get_link_flags()]
 
@@ -99,7 +117,7 @@ def library_path() -> Path:
     compiler = _compiler()
     for part in (*(path.read_bytes() for path in SOURCES + _HEADERS), tf.__version__,
                  tf.sysconfig.get_lib(), *tf.sysconfig.get_compile_flags(),
-                 *_OPTIMIZATION_FLAGS, compiler,
+                 *_OPTIMIZATION_FLAGS, *_target_flags(compiler), compiler,
                  _compiler_version(compiler), _cpu_signature(), sys.platform,
                  platform.machine()):
         key.update(part if isinstance(part, bytes) else part.encode())

@@ -176,6 +176,20 @@ def test_a_failed_build_falls_back_or_raises_and_leaves_no_library(monkeypatch, 
         kernels._warn_fallback.cache_clear()
 
 
+def test_half_precision_packets_are_off_where_native_enables_them(tmp_path):
+    """A CPU with AVX512-FP16 (Sapphire Rapids): TensorFlow's Eigen does not compile with
+    `-march=native` there, so the build turns those packets off, and only there."""
+    reports = {"fp16": "#define __AVX512FP16__ 1\n#define __AVX512F__ 1\n",
+               "plain": "#define __AVX512F__ 1\n"}
+    for name, macros in reports.items():
+        compiler = tmp_path / f"cxx-{name}"
+        compiler.write_text(f"#!/bin/sh\nprintf '{macros}'\n")
+        compiler.chmod(0o755)
+        flags = kernels._target_flags(str(compiler))
+        assert flags == (("-mno-avx512fp16",) if name == "fp16" else ()), name
+    assert kernels._target_flags(str(tmp_path / "no-such-compiler")) == ()
+
+
 def op_types(function, *args) -> set:
     """Op types of the traced function, including the functions nested in its graph."""
     graph_def = tf.function(function).get_concrete_function(*args).graph.as_graph_def()
