@@ -8,10 +8,13 @@ hypotheses scored unnormalised (a 1e-9 penalty), with twice the finished hypothe
 stops (patience 2), and ranks them by ours (`translate_with_ctranslate2` in
 `serving.ctranslate2`, measured to give our beam-4 strings). Its scores are then the summed
 log-probabilities, EOS included (`return_end_token` tells finished from cut hypotheses).
+CTranslate2's scores leave a forced target prefix out, where ours count it, so prefixed
+hypotheses (and those cut at a line's limit) are scored again with `score_batch`.
 Alignments come from `return_attention`: the export's alignment layer, all its heads averaged
 (`export_ctranslate2(alignment_layer=...)`), read as `decoding.alignment` reads ours; the
 attention of the step after the last token (EOS) is not returned by CTranslate2, so with the
-shift the last word uses its own step's row. Sampling uses CTranslate2's own random generator
+shift the last word uses its own step's row; the first step's row comes from one greedy step
+(`_first_step_attention`: a batched beam search returns another source's there). Sampling uses CTranslate2's own random generator
 (`seed` goes to `ctranslate2.set_random_seed`, but its worker threads draw on their own, so
 samples are not reproducible across calls): its strings differ from ours, as any two engines'
 samples do; its scores are still the model's log-probabilities.
