@@ -9,15 +9,17 @@ stops (patience 2), and ranks them by ours (`translate_with_ctranslate2` in
 `serving.ctranslate2`, measured to give our beam-4 strings). Its scores are then the summed
 log-probabilities, EOS included (`return_end_token` tells finished from cut hypotheses).
 CTranslate2's scores leave a forced target prefix out, where ours count it, so prefixed
-hypotheses (and those cut at a line's limit) are scored again with `score_batch`.
+hypotheses (and those cut at a line's limit) are scored again with `score_batch`; a prefix
+longer than a line's length limit raises the limit, as ours does.
 Alignments come from `return_attention`: the export's alignment layer, all its heads averaged
 (`export_ctranslate2(alignment_layer=...)`), read as `decoding.alignment` reads ours; the
 attention of the step after the last token (EOS) is not returned by CTranslate2, so with the
 shift the last word uses its own step's row; the first step's row comes from one greedy step
-(`_first_step_attention`: a batched beam search returns another source's there). Sampling uses CTranslate2's own random generator
-(`seed` goes to `ctranslate2.set_random_seed`, but its worker threads draw on their own, so
-samples are not reproducible across calls): its strings differ from ours, as any two engines'
-samples do; its scores are still the model's log-probabilities.
+(`_first_step_attention`: a batched beam search returns another source's there). Sampling
+uses CTranslate2's own random generator (`seed` goes to `ctranslate2.set_random_seed`, but
+its worker threads draw on their own, so samples are not reproducible across calls): its
+strings differ from ours, as any two engines' samples do; its scores are still the model's
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -104,7 +106,13 @@ def translate_batch_with_ctranslate2(
                     for index, s in enumerate(segments)]
     if sampling:
         ctranslate2.set_random_seed(seed)
-    longest = max((len(p) for p in sources), default=0) + 1 + extra_length
+    # Our engine lets a forced prefix longer than a line's limit through whole
+    # (`decoding.loops._limits`); CTranslate2's max_decoding_length counts the prefix and would
+    # cut it.
+    limits = [max(len(source) + 1 + extra_length,
+                  len(prefixes[number]) + 1 if prefixes and prefixes[number] else 0)
+              for number, source in enumerate(sources)]
+    longest = max(limits, default=0)
     results = translator.translate_batch(
         sources, target_prefix=prefixes, beam_size=beam_size,
         num_hypotheses=beam_size if beam_size > 1 else 1,
@@ -114,18 +122,18 @@ def translate_batch_with_ctranslate2(
         sampling_topk=sampling_topk, sampling_topp=sampling_topp,
         sampling_temperature=sampling_temperature) if sources else []
     first_rows = (_first_step_attention(translator, sources, max_batch_size)
-                  if return_alignment and beam_size > 1 else None)
+                  if return_alignment and beam_size > 1 and len(sources) > 1 else None)
     decoded: dict[int, list] = {}
     per_segment = []
     for number, (source, result) in enumerate(zip(sources, results, strict=True)):
-        limit = len(source) + 1 + extra_length
+        limit = limits[number]
         per_segment.append([_hypothesis(
             processor, tokens, score, alpha, limit, source,
             _attention(result.attention[k], first_rows, number) if return_alignment else None,
             prefixed=bool(prefixes and prefixes[number]))
             for k, (tokens, score) in enumerate(zip(result.hypotheses, result.scores,
                                                     strict=True))])
-    _rescore_marked(translator, per_segment, sources, alpha)
+    _rescore_marked(translator, per_segment, sources, alpha, max_batch_size)
     for number, (segment, source, hypotheses) in enumerate(zip(segments, sources, per_segment,
                                                                strict=True)):
         hypotheses.sort(key=lambda h: -h.score)
@@ -171,14 +179,15 @@ def _hypothesis(processor, tokens, score, alpha, limit, source, attention,
     hypothesis = Hypothesis(text=processor.decode(pieces), score=penalized_score(
         score, length, alpha), log_prob=float(score), finished=finished, pieces=pieces)
     if attention is not None:
-        # Rows: the generated tokens' steps; columns: the source pieces and EOS.
+        # Rows: the generated tokens' steps; columns: the source pieces (CTranslate2 leaves
+        # out the source EOS's column that ours has).
         hypothesis.attention = np.asarray(attention, np.float32)
         hypothesis.alignment = word_alignment(hypothesis.attention, source, pieces,
                                               shift=DEFAULT_SHIFT)
     return hypothesis
 
 
-def _rescore_marked(translator, per_segment, sources, alpha) -> None:
+def _rescore_marked(translator, per_segment, sources, alpha, max_batch_size: int) -> None:
     """The log-prob of the hypotheses marked by a NaN log_prob (cut at their line's limit, or
     after a forced prefix): all their pieces' log-probs from `score_batch`, the EOS it
     appends counted only where the hypothesis finished."""
@@ -189,7 +198,7 @@ def _rescore_marked(translator, per_segment, sources, alpha) -> None:
         return
     scored = translator.score_batch([source for _, source in marked],
                                     [hypothesis.pieces for hypothesis, _ in marked],
-                                    max_input_length=0)
+                                    max_batch_size=max_batch_size, max_input_length=0)
     for (hypothesis, _), result in zip(marked, scored, strict=True):
         log_probs = result.log_probs if hypothesis.finished else result.log_probs[:-1]
         hypothesis.log_prob = float(sum(log_probs))

@@ -162,3 +162,31 @@ def test_translate_ranks_beam_hypotheses_by_our_length_penalty(run):
     # Without a length penalty (alpha 0) the higher summed score wins.
     best = translate_with_ctranslate2(translator, pieces, ["x"], beam_size=4, alpha=0.0)
     assert best == [pieces.decode(short)]
+
+
+def test_a_prefix_longer_than_the_limit_is_kept_whole_and_scored_as_ours(run, tmp_path):
+    """Our engine raises a line's length limit to fit a forced prefix; CTranslate2 counts the
+    prefix in max_decoding_length and would cut it. The wrapper keeps it whole, and scores it
+    as ours (CTranslate2's own scores leave the prefix out)."""
+    from keras_transformer.decoding.translator import force_decode, translate_batch
+    from keras_transformer.serving.ctranslate2_translation import (
+        translate_batch_with_ctranslate2,
+    )
+
+    model, tokenizer = run_directory.load_run(run)
+    export_ctranslate2(model, tokenizer, tmp_path / "ct2")
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "ct2" / "sentencepiece.model"))
+    sources = ["dusa", "bada kemo lira"]
+    prefixes = ["kisax pora mudax lirax dosax kisax pora mudax", None]
+    assert len(pieces.encode(prefixes[0])) > len(pieces.encode(sources[0])) + 1 + 3
+    options = dict(beam_size=2, target_prefix=prefixes, extra_length=3)
+    ours = translate_batch(model, tokenizer, sources, **options)
+    theirs = translate_batch_with_ctranslate2(translator, pieces, sources, **options)
+    assert theirs[0].text.startswith(prefixes[0])
+    assert len(theirs[0].hypotheses[0].pieces) == len(ours[0].hypotheses[0].pieces)
+    forced = force_decode(model, tokenizer, sources[:1], [theirs[0].hypotheses[0].pieces])
+    hypothesis = theirs[0].hypotheses[0]
+    expected = (forced[0].hypotheses[0].log_prob if hypothesis.finished else
+                sum(forced[0].hypotheses[0].token_log_probs[:-1]))
+    assert hypothesis.log_prob == pytest.approx(expected, abs=1e-3)
