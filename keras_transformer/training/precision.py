@@ -6,11 +6,17 @@ more (A100, H100, RTX 30xx/40xx) and CPUs whose instruction set multiplies bfloa
 get mixed float16 with dynamic loss scaling (`keras_transformer.training.loss_scaling`); anything
 else float32. Variables stay float32 under the mixed policies, and the model returns
 float32 logits, so the loss is always computed in float32.
+
+`float16_on_this_cpu` keeps mixed float16 usable on CPUs whose TensorFlow sends float16 ops
+to oneDNN (see its docstring): there TensorFlow's fused float16 MatMul + BiasAdd is oneDNN's
+reference kernel, tens of times slower than the unfused ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
@@ -18,6 +24,8 @@ JIT_CHOICES = ("auto", "on", "off")
 
 # /proc/cpuinfo flags meaning "bfloat16 matmuls in hardware".
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+_LOG = logging.getLogger("keras_transformer")
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
@@ -36,6 +44,50 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
 def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """True if the CPU has native bfloat16 dot products (AVX512_BF16 or AMX-BF16)."""
     return bool(cpu_flags(cpuinfo) & set(_BF16_FLAGS))
+
+
+def cpu_sends_float16_to_onednn(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True where TensorFlow runs float16 ops through oneDNN: its own rule
+    (`IsDataTypeSupportedByOneDNNOnThisCPU` in tensorflow/core/util/util.cc), AVX512BW with
+    AVX512_FP16 or AMX_FP16, or AVX_NE_CONVERT. Intel Xeons since Sapphire Rapids have it;
+    the AMD EPYCs and AVX2 CPUs this project is checked on do not."""
+    flags = cpu_flags(cpuinfo)
+    return bool(("avx512bw" in flags and flags & {"avx512_fp16", "amx_fp16"})
+                or "avx_ne_convert" in flags)
+
+
+@contextlib.contextmanager
+def float16_on_this_cpu(precision: str, gpus: int,
+                        cpuinfo: str | Path = "/proc/cpuinfo") -> Iterator[bool]:
+    """Turns TensorFlow's grappler remapper off inside the block when `precision` is
+    mixed_float16, there are no GPUs and the CPU sends float16 to oneDNN; yields whether it
+    did, and restores the setting after.
+
+    Why: on such CPUs the remapper fuses a float16 MatMul and its BiasAdd (every Dense on 2-D
+    inputs, the feed-forward layers' path) into oneDNN's reference kernel. Measured on an
+    Intel Xeon with AVX512_FP16 and AMX (TensorFlow 2.21): a fused 512 x 32 x 64 float16
+    matmul 28-45 ms against 0.44 ms unfused; the `tiny` training step 709 ms against 19.8 ms
+    with the remapper off (float32: 15.8 ms; BENCHMARKS.md, Machines). The remapper's other
+    fusions only matter for float32 ops, which a mixed_float16 step has few of. Functions
+    traced and first run inside the block keep the setting (grappler optimizes a graph once).
+    """
+    hazard = precision == "mixed_float16" and not gpus and cpu_sends_float16_to_onednn(cpuinfo)
+    if not hazard:
+        yield False
+        return
+    import tensorflow as tf  # grappler's options
+
+    saved = tf.config.optimizer.get_experimental_options().get("remapping")
+    tf.config.optimizer.set_experimental_options({"remapping": False})
+    _LOG.info("mixed_float16 on a CPU whose TensorFlow sends float16 to oneDNN: graph "
+              "remapping off (its fused float16 MatMul + BiasAdd is oneDNN's reference "
+              "kernel, ~36x slower here)")
+    try:
+        yield True
+    finally:
+        # Unset means on: the default; `None` cannot be set back, so True stands for it.
+        tf.config.optimizer.set_experimental_options({"remapping": True if saved is None
+                                                      else saved})
 
 
 def gpu_capabilities() -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ a task owns `compile` and the train step) and Keras' own (`keras.Model` is a `La
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from typing import Any
@@ -25,6 +26,7 @@ import keras
 from keras_transformer.model.config import transformer_config
 from keras_transformer.model.transformer import Transformer
 from keras_transformer.training.loss_scaling import LossScaleOptimizer
+from keras_transformer.training.precision import float16_on_this_cpu
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -98,6 +100,8 @@ class TransformerTrainer(Transformer):
 
         A `tf.data.Dataset` is shuffled by its pipeline (`make_batches`), so `shuffle`
         defaults to False for one (Keras would warn that it ignores its default True).
+        Under mixed_float16 on a CPU whose TensorFlow sends float16 to oneDNN, the fit runs
+        with TensorFlow's graph remapper off (`training.precision.float16_on_this_cpu`).
         """
         if getattr(self, "_accumulator", None) is not None:
             self._accumulator.reset()
@@ -105,7 +109,8 @@ class TransformerTrainer(Transformer):
         tf = sys.modules.get("tensorflow")  # a tf.data.Dataset means TensorFlow is imported
         if tf is not None and isinstance(data, tf.data.Dataset | tf.distribute.DistributedDataset):
             kwargs.setdefault("shuffle", False)
-        return super().fit(*args, **kwargs)
+        with _float16_on_this_cpu(self):
+            return super().fit(*args, **kwargs)
 
     def load_weights(self, *args, **kwargs):
         """`keras.Model.load_weights`; a partly accumulated update is discarded."""
@@ -142,6 +147,17 @@ class TransformerTrainer(Transformer):
         micro = self._make_function(lambda data: self._accumulator.micro_step(self, data))
         self.train_function = self._accumulator.make_train_function(self, micro)
         return self.train_function
+
+
+def _float16_on_this_cpu(model: TransformerTrainer):
+    """`float16_on_this_cpu` for the model's dtype policy and TensorFlow's GPUs (a no-op
+    context on other backends, whose XLA has no such fusion)."""
+    if keras.backend.backend() != "tensorflow":
+        return contextlib.nullcontext(False)
+    import tensorflow as tf  # its GPUs
+
+    return float16_on_this_cpu(model.dtype_policy.name,
+                               len(tf.config.list_logical_devices("GPU")))
 
 
 def _accumulator(model: TransformerTrainer, steps: int):
