@@ -15,7 +15,8 @@ They are used only where nothing is exported: the training loss and training-mod
 (exported SavedModels and inference graphs contain standard TensorFlow ops only). The library
 is built with the system's `g++` against the installed TensorFlow's headers into a cache
 (`$KERAS_TRANSFORMER_CACHE`, default `~/.cache/keras_transformer`), keyed by the sources, the
-TensorFlow build, the compiler and the CPU. `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto`
+TensorFlow build, the compiler and the CPU; processes that start together build it once (a
+lock file beside it). `KERAS_TRANSFORMER_FUSED_KERNELS` selects: `auto`
 (default: use them when no GPU is visible and they build, else TensorFlow ops, with one warning
 if the build failed), `off`, or `on` (raise if they cannot be built). XLA-compiled steps
 (`jit_compile=True`) always use TensorFlow ops, and under another Keras backend (JAX)
@@ -24,6 +25,7 @@ if the build failed), `off`, or `on` (raise if they cannot be built). XLA-compil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import keras
@@ -145,6 +148,51 @@ def build(path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive `flock` on `<path>.lock` (waiting for it). Where locks are missing
+    (no `fcntl`, a file system without them, an unwritable cache) nothing is held: the
+    build's atomic replace still leaves a whole library, only the compiling is repeated."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 (held below)
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield  # closing the file releases the lock (as a killed process's exit does)
+
+
+def build_once(path: Path, replace: int | None = None) -> Path:
+    """`build(path)` unless the library is there: processes that start together (pytest's
+    workers, a cluster's workers on one machine, a run and its subprocesses) wait for the
+    first one's build and load its library instead of each compiling it (~21 s of g++).
+
+    Args:
+        path: the library (`library_path()`).
+        replace: the `st_mtime_ns` of a library that did not load: it is rebuilt unless
+            another process already replaced it.
+    """
+    def wanted() -> bool:
+        return not path.exists() or (replace is not None
+                                     and path.stat().st_mtime_ns == replace)
+
+    if wanted():
+        with _build_lock(path):
+            if wanted():
+                build(path)
+    return path
+
+
 @functools.cache
 def _load():
     """(library, None) or (None, the KernelBuildError): one attempt per process, so a failing
@@ -154,12 +202,11 @@ def _load():
 
     try:
         path = library_path()
-        if not path.exists():
-            build(path)
+        build_once(path)
         try:
             return tf.load_op_library(str(path)), None
         except (tf.errors.NotFoundError, OSError):
-            build(path)
+            build_once(path, replace=path.stat().st_mtime_ns)
             return tf.load_op_library(str(path)), None
     except KernelBuildError as error:
         return None, error

@@ -8,6 +8,8 @@ Tolerances: float32 within 1e-5 (round-off of two formulations, ~1-ulp exp polyn
 bfloat16 outputs and gradients within 1e-2 absolute (bfloat16 has 8 significant bits).
 """
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -174,6 +176,31 @@ def test_a_failed_build_falls_back_or_raises_and_leaves_no_library(monkeypatch, 
     finally:
         kernels._load.cache_clear()
         kernels._warn_fallback.cache_clear()
+
+
+def test_processes_starting_together_build_the_library_once(monkeypatch, tmp_path):
+    """Four builders at once (as pytest's workers, or a cluster's workers on one machine,
+    start): one compiles, the others wait and find its library; a library that did not load
+    is rebuilt once, not once per process."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "cxx"
+    # Answers -dM -E (the target flags) with no macros; a "build" takes 0.5 s, is counted and
+    # writes the file after -o.
+    compiler.write_text(
+        "#!/bin/sh\ncase \"$*\" in *-dM*) exit 0;; esac\n"
+        f"echo build >> {calls}\nsleep 0.5\n"
+        'while [ "$1" != "-o" ]; do shift; done\necho library > "$2"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    path = tmp_path / "cache" / "kernels" / "fused_ops-test.so"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # flock: per open file, so
+        built = list(pool.map(lambda _: kernels.build_once(path), range(4)))  # threads too
+    assert built == [path] * 4 and path.read_text() == "library\n"
+    assert calls.read_text().count("build") == 1
+    stale = path.stat().st_mtime_ns
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: kernels.build_once(path, replace=stale), range(2)))
+    assert calls.read_text().count("build") == 2 and path.stat().st_mtime_ns != stale
 
 
 def test_half_precision_packets_are_off_where_native_enables_them(tmp_path):
