@@ -112,6 +112,16 @@ class TransformerTrainer(Transformer):
         with _float16_on_this_cpu(self):
             return super().fit(*args, **kwargs)
 
+    def evaluate(self, *args, **kwargs):
+        """`keras.Model.evaluate`, under mixed_float16 on such a CPU as `fit` is."""
+        with _float16_on_this_cpu(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """`keras.Model.predict`, under mixed_float16 on such a CPU as `fit` is."""
+        with _float16_on_this_cpu(self):
+            return super().predict(*args, **kwargs)
+
     def load_weights(self, *args, **kwargs):
         """`keras.Model.load_weights`; a partly accumulated update is discarded."""
         if getattr(self, "_accumulator", None) is not None:

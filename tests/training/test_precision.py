@@ -110,20 +110,23 @@ def test_the_remapper_is_off_inside_the_block_only_for_float16_on_such_a_cpu(
 
 
 def test_a_float16_fit_on_such_a_cpu_trains_with_the_remapper_off(monkeypatch):
-    """`TransformerTrainer.fit` applies it (the train command fits one), and puts the
-    setting back after."""
+    """`TransformerTrainer.fit` applies it (the train command fits one), as do its
+    `evaluate` and `predict`, and each puts the setting back after."""
     monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo: set(SAPPHIRE_RAPIDS.split()))
     seen = []
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: seen.append(
-        _remapping()))
+    record = keras.callbacks.LambdaCallback(**{
+        f"on_{mode}_batch_end": lambda *_, **__: seen.append(_remapping())
+        for mode in ("train", "test", "predict")})
     rng = np.random.default_rng(0)
     ids = rng.integers(4, 40, size=(4, 7)).astype("int32")
+    inputs, labels = {"source": ids, "target": ids[:, :-1]}, ids[:, 1:]
     for policy, during in (("mixed_float16", False), ("float32", _remapping())):
         keras.utils.set_random_seed(0)
         model = build_trainer("tiny", vocab_size=40, dtype=policy)
         model.compile("adam", loss=LabelSmoothedCrossEntropy(0.1))
         seen.clear()
-        model.fit({"source": ids, "target": ids[:, :-1]}, ids[:, 1:], epochs=1, verbose=0,
-                  callbacks=[record])
-        assert seen == [during], policy
+        model.fit(inputs, labels, epochs=1, verbose=0, callbacks=[record])
+        model.evaluate(inputs, labels, verbose=0, callbacks=[record])
+        model.predict(inputs, verbose=0, callbacks=[record])
+        assert seen == [during] * 3, policy
         assert _remapping() in (None, True)
