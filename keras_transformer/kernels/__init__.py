@@ -172,19 +172,30 @@ def _build_lock(path: Path) -> Iterator[None]:
         yield  # closing the file releases the lock (as a killed process's exit does)
 
 
-def build_once(path: Path, replace: int | None = None) -> Path:
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of `path`, None if it is missing: `build`'s `os.replace` always
+    gives a new file a new inode."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_ino, status.st_mtime_ns
+
+
+def build_once(path: Path, replace: tuple[int, int] | None = None) -> Path:
     """`build(path)` unless the library is there: processes that start together (pytest's
     workers, a cluster's workers on one machine, a run and its subprocesses) wait for the
     first one's build and load its library instead of each compiling it (~21 s of g++).
+    A compiler that hangs makes the others wait for it too.
 
     Args:
         path: the library (`library_path()`).
-        replace: the `st_mtime_ns` of a library that did not load: it is rebuilt unless
+        replace: the `_file_identity` of a library that did not load: it is rebuilt unless
             another process already replaced it.
     """
     def wanted() -> bool:
-        return not path.exists() or (replace is not None
-                                     and path.stat().st_mtime_ns == replace)
+        identity = _file_identity(path)
+        return identity is None or (replace is not None and identity == replace)
 
     if wanted():
         with _build_lock(path):
@@ -203,10 +214,11 @@ def _load():
     try:
         path = library_path()
         build_once(path)
+        tried = _file_identity(path)  # before loading: another process may replace it
         try:
             return tf.load_op_library(str(path)), None
         except (tf.errors.NotFoundError, OSError):
-            build_once(path, replace=path.stat().st_mtime_ns)
+            build_once(path, replace=tried)
             return tf.load_op_library(str(path)), None
     except KernelBuildError as error:
         return None, error

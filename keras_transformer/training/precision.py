@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -56,38 +57,76 @@ def cpu_sends_float16_to_onednn(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
                 or "avx_ne_convert" in flags)
 
 
+class _RemapperSwitch:
+    """TensorFlow's grappler remapper turned off while any `float16_on_this_cpu` block is
+    open. The option is one for the whole process, so the blocks share this counter: the
+    outermost entry saves and turns it off (and logs once per process), the outermost exit
+    restores it, whatever the threads and nesting (`fit` runs `evaluate` inside)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = None
+        self._logged = False
+
+    def enter(self) -> None:
+        import tensorflow as tf  # grappler's options
+
+        with self._lock:
+            if self._depth == 0:
+                self._saved = tf.config.optimizer.get_experimental_options().get("remapping")
+                tf.config.optimizer.set_experimental_options({"remapping": False})
+                if not self._logged:
+                    self._logged = True
+                    _LOG.info("mixed_float16 on a CPU whose TensorFlow sends float16 to "
+                              "oneDNN: graph remapping off while Keras fits, evaluates or "
+                              "predicts (its fused float16 MatMul + BiasAdd is oneDNN's "
+                              "reference kernel, ~36x slower here)")
+            self._depth += 1
+
+    def exit(self) -> None:
+        import tensorflow as tf
+
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                # Unset means on (TensorFlow's default); unset cannot be set back, so an
+                # explicit True stands for it.
+                tf.config.optimizer.set_experimental_options(
+                    {"remapping": True if self._saved is None else self._saved})
+
+
+_REMAPPER = _RemapperSwitch()  # mirrors a process-wide TensorFlow option (see the class)
+
+
 @contextlib.contextmanager
 def float16_on_this_cpu(precision: str, gpus: int,
                         cpuinfo: str | Path = "/proc/cpuinfo") -> Iterator[bool]:
     """Turns TensorFlow's grappler remapper off inside the block when `precision` is
     mixed_float16, there are no GPUs and the CPU sends float16 to oneDNN; yields whether it
-    did, and restores the setting after.
+    did, and restores the setting after the outermost such block.
 
     Why: on such CPUs the remapper fuses a float16 MatMul and its BiasAdd (every Dense on 2-D
     inputs, the feed-forward layers' path) into oneDNN's reference kernel. Measured on an
     Intel Xeon with AVX512_FP16 and AMX (TensorFlow 2.21): a fused 512 x 32 x 64 float16
     matmul 28-45 ms against 0.44 ms unfused; the `tiny` training step 709 ms against 19.8 ms
     with the remapper off (float32: 15.8 ms; BENCHMARKS.md, Machines). The remapper's other
-    fusions only matter for float32 ops, which a mixed_float16 step has few of. Functions
-    traced and first run inside the block keep the setting (grappler optimizes a graph once).
+    fusions only matter for float32 ops, which a mixed_float16 step has few of.
+
+    The setting applies to the function calls made inside the block: TensorFlow optimizes a
+    function for the options of each call, so the same function called after the block runs
+    fused (slow) again. It is process-wide; TensorFlow caches it per thread, so a thread that
+    already ran functions before another opened the block may not see it.
     """
     hazard = precision == "mixed_float16" and not gpus and cpu_sends_float16_to_onednn(cpuinfo)
     if not hazard:
         yield False
         return
-    import tensorflow as tf  # grappler's options
-
-    saved = tf.config.optimizer.get_experimental_options().get("remapping")
-    tf.config.optimizer.set_experimental_options({"remapping": False})
-    _LOG.info("mixed_float16 on a CPU whose TensorFlow sends float16 to oneDNN: graph "
-              "remapping off (its fused float16 MatMul + BiasAdd is oneDNN's reference "
-              "kernel, ~36x slower here)")
+    _REMAPPER.enter()
     try:
         yield True
     finally:
-        # Unset means on: the default; `None` cannot be set back, so True stands for it.
-        tf.config.optimizer.set_experimental_options({"remapping": True if saved is None
-                                                      else saved})
+        _REMAPPER.exit()
 
 
 def gpu_capabilities() -> list[tuple[int, int]]:

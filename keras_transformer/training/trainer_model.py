@@ -112,15 +112,33 @@ class TransformerTrainer(Transformer):
         with _float16_on_this_cpu(self):
             return super().fit(*args, **kwargs)
 
+    # Under mixed_float16 on a CPU that sends float16 to oneDNN, each of Keras' other entry
+    # points also runs with the remapper off, as `fit` does (`--recipe auto` times its
+    # calibration steps with `train_on_batch`).
     def evaluate(self, *args, **kwargs):
-        """`keras.Model.evaluate`, under mixed_float16 on such a CPU as `fit` is."""
+        """`keras.Model.evaluate` (see `fit` on mixed_float16)."""
         with _float16_on_this_cpu(self):
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        """`keras.Model.predict`, under mixed_float16 on such a CPU as `fit` is."""
+        """`keras.Model.predict` (see `fit` on mixed_float16)."""
         with _float16_on_this_cpu(self):
             return super().predict(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """`keras.Model.train_on_batch` (see `fit` on mixed_float16)."""
+        with _float16_on_this_cpu(self):
+            return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        """`keras.Model.test_on_batch` (see `fit` on mixed_float16)."""
+        with _float16_on_this_cpu(self):
+            return super().test_on_batch(*args, **kwargs)
+
+    def predict_on_batch(self, *args, **kwargs):
+        """`keras.Model.predict_on_batch` (see `fit` on mixed_float16)."""
+        with _float16_on_this_cpu(self):
+            return super().predict_on_batch(*args, **kwargs)
 
     def load_weights(self, *args, **kwargs):
         """`keras.Model.load_weights`; a partly accumulated update is discarded."""
@@ -159,15 +177,18 @@ class TransformerTrainer(Transformer):
         return self.train_function
 
 
+def _tensorflow_gpus() -> int:
+    import tensorflow as tf  # its GPUs
+
+    return len(tf.config.list_logical_devices("GPU"))
+
+
 def _float16_on_this_cpu(model: TransformerTrainer):
     """`float16_on_this_cpu` for the model's dtype policy and TensorFlow's GPUs (a no-op
     context on other backends, whose XLA has no such fusion)."""
     if keras.backend.backend() != "tensorflow":
         return contextlib.nullcontext(False)
-    import tensorflow as tf  # its GPUs
-
-    return float16_on_this_cpu(model.dtype_policy.name,
-                               len(tf.config.list_logical_devices("GPU")))
+    return float16_on_this_cpu(model.dtype_policy.name, _tensorflow_gpus())
 
 
 def _accumulator(model: TransformerTrainer, steps: int):

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.training import precision
+from keras_transformer.training import precision, trainer_model
 from keras_transformer.training.losses import LabelSmoothedCrossEntropy
 from keras_transformer.training.precision import (
     cpu_sends_float16_to_onednn,
@@ -84,49 +85,101 @@ def _remapping():
     return tf.config.optimizer.get_experimental_options().get("remapping")
 
 
-@pytest.mark.parametrize("before", [None, True, False])
-def test_the_remapper_is_off_inside_the_block_only_for_float16_on_such_a_cpu(
-        tmp_path, caplog, before):
+@pytest.fixture
+def remapping_as_found(monkeypatch):
+    """Puts grappler's remapping option back after the test; the once-per-process log line
+    is due again."""
+    monkeypatch.setattr(precision._REMAPPER, "_logged", False)
     saved = tf.config.optimizer.get_experimental_options()
-    try:
-        if before is not None:
-            tf.config.optimizer.set_experimental_options({"remapping": before})
-        cpuinfo = _cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
-        with caplog.at_level(logging.INFO, "keras_transformer"):
-            with float16_on_this_cpu("mixed_float16", 0, cpuinfo) as applied:
-                assert applied is True and _remapping() is False
-        assert "graph remapping off" in caplog.text
-        assert _remapping() is (True if before is None else before)  # unset means on
-        # Another precision, a GPU, another CPU: nothing changes.
-        for args in (("mixed_bfloat16", 0, cpuinfo), ("float32", 0, cpuinfo),
-                     ("mixed_float16", 1, cpuinfo),
-                     ("mixed_float16", 0, _cpuinfo(tmp_path, "fpu avx512bw avx512_bf16"))):
-            expected = _remapping()
-            with float16_on_this_cpu(*args) as applied:
-                assert applied is False and _remapping() is expected, args
-    finally:
-        tf.config.optimizer.set_experimental_options(
-            {"remapping": saved.get("remapping", True)})
+    yield
+    tf.config.optimizer.set_experimental_options({"remapping": saved.get("remapping", True)})
 
 
-def test_a_float16_fit_on_such_a_cpu_trains_with_the_remapper_off(monkeypatch):
-    """`TransformerTrainer.fit` applies it (the train command fits one), as do its
-    `evaluate` and `predict`, and each puts the setting back after."""
+@pytest.mark.parametrize("before", [True, False])
+def test_the_remapper_is_off_inside_the_block_only_for_float16_on_such_a_cpu(
+        tmp_path, caplog, remapping_as_found, before):
+    tf.config.optimizer.set_experimental_options({"remapping": before})
+    cpuinfo = _cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
+    with caplog.at_level(logging.INFO, "keras_transformer"):
+        with float16_on_this_cpu("mixed_float16", 0, cpuinfo) as applied:
+            assert applied is True and _remapping() is False
+            # Nested (fit runs evaluate): the inner exit leaves it off.
+            with float16_on_this_cpu("mixed_float16", 0, cpuinfo):
+                assert _remapping() is False
+            assert _remapping() is False
+        assert _remapping() is before
+        with float16_on_this_cpu("mixed_float16", 0, cpuinfo):
+            assert _remapping() is False
+    assert _remapping() is before
+    assert caplog.text.count("graph remapping off") == 1  # once per process
+    # Another precision, a GPU, another CPU: nothing changes.
+    for args in (("mixed_bfloat16", 0, cpuinfo), ("float32", 0, cpuinfo),
+                 ("mixed_float16", 1, cpuinfo),
+                 ("mixed_float16", 0, _cpuinfo(tmp_path, "fpu avx512bw avx512_bf16"))):
+        with float16_on_this_cpu(*args) as applied:
+            assert applied is False and _remapping() is before, args
+
+
+def test_threads_in_overlapping_blocks_restore_the_setting_once_all_have_left(
+        tmp_path, remapping_as_found):
+    tf.config.optimizer.set_experimental_options({"remapping": True})
+    cpuinfo = _cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
+    first_in, second_in, first_out = (threading.Event() for _ in range(3))
+    seen = {}
+
+    def first():
+        with float16_on_this_cpu("mixed_float16", 0, cpuinfo):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with float16_on_this_cpu("mixed_float16", 0, cpuinfo):
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first left"] = _remapping()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"after the first left": False}
+    assert _remapping() is True
+
+
+def test_a_float16_fit_on_such_a_cpu_trains_with_the_remapper_off(monkeypatch,
+                                                                    remapping_as_found):
+    """`TransformerTrainer.fit` applies it (the train command fits one), as do its `evaluate`,
+    `predict` and `*_on_batch` (`--recipe auto` times `train_on_batch`), each putting the
+    setting back after."""
     monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo: set(SAPPHIRE_RAPIDS.split()))
+    monkeypatch.setattr(trainer_model, "_tensorflow_gpus", lambda: 0)  # as on a CPU
+    tf.config.optimizer.set_experimental_options({"remapping": True})
     seen = []
-    record = keras.callbacks.LambdaCallback(**{
-        f"on_{mode}_batch_end": lambda *_, **__: seen.append(_remapping())
-        for mode in ("train", "test", "predict")})
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda *_, **__: seen.append(_remapping()))
     rng = np.random.default_rng(0)
     ids = rng.integers(4, 40, size=(4, 7)).astype("int32")
-    inputs, labels = {"source": ids, "target": ids[:, :-1]}, ids[:, 1:]
-    for policy, during in (("mixed_float16", False), ("float32", _remapping())):
-        keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(0)
+    model = build_trainer("tiny", vocab_size=40, dtype="mixed_float16")
+    model.compile("adam", loss=LabelSmoothedCrossEntropy(0.1))
+    model.fit({"source": ids, "target": ids[:, :-1]}, ids[:, 1:], epochs=1, verbose=0,
+              callbacks=[record])
+    assert seen == [False] and _remapping() is True
+    # Every entry point, each policy: Keras' own method (replaced by a recorder) sees the
+    # remapper off under mixed_float16 only.
+    entry_points = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                    "predict_on_batch")
+    for name in entry_points:
+        monkeypatch.setattr(keras.Model, name,
+                            lambda self, *_, **__: seen.append((self.dtype_policy.name,
+                                                                _remapping())))
+    for policy, during in (("mixed_float16", False), ("float32", True)):
         model = build_trainer("tiny", vocab_size=40, dtype=policy)
-        model.compile("adam", loss=LabelSmoothedCrossEntropy(0.1))
         seen.clear()
-        model.fit(inputs, labels, epochs=1, verbose=0, callbacks=[record])
-        model.evaluate(inputs, labels, verbose=0, callbacks=[record])
-        model.predict(inputs, verbose=0, callbacks=[record])
-        assert seen == [during] * 3, policy
-        assert _remapping() in (None, True)
+        for name in entry_points:
+            getattr(model, name)(None)
+        assert seen == [(policy, during)] * len(entry_points), policy
+        assert _remapping() is True

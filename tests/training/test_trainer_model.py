@@ -21,9 +21,10 @@ from tests.cli.test_train import REPO, cli_env
 
 VOCAB = 37
 # Everything the trainer adds to Keras' training; the model must define none of it.
-TRAINING_METHODS = {"compile", "fit", "evaluate", "predict", "train_step",
-                    "make_train_function", "load_weights", "get_compile_config",
-                    "compile_from_config", "accumulate_steps", "pending_micro_batches"}
+TRAINING_METHODS = {"compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                    "predict_on_batch", "train_step", "make_train_function", "load_weights",
+                    "get_compile_config", "compile_from_config", "accumulate_steps",
+                    "pending_micro_batches"}
 
 
 def _batch(seed: int = 0):
