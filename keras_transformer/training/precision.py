@@ -100,11 +100,12 @@ _REMAPPER = _RemapperSwitch()  # mirrors a process-wide TensorFlow option (see t
 
 
 @contextlib.contextmanager
-def float16_on_this_cpu(precision: str, gpus: int,
+def float16_on_this_cpu(precision: str, gpus: int | None = None,
                         cpuinfo: str | Path = "/proc/cpuinfo") -> Iterator[bool]:
     """Turns TensorFlow's grappler remapper off inside the block when `precision` is
-    mixed_float16, there are no GPUs and the CPU sends float16 to oneDNN; yields whether it
-    did, and restores the setting after the outermost such block.
+    mixed_float16, there are no GPUs (`gpus`; None: `tensorflow_gpus()`, counted only for
+    mixed_float16) and the CPU sends float16 to oneDNN; yields whether it did, and restores
+    the setting after the outermost such block.
 
     Why: on such CPUs the remapper fuses a float16 MatMul and its BiasAdd (every Dense on 2-D
     inputs, the feed-forward layers' path) into oneDNN's reference kernel. Measured on an
@@ -118,7 +119,9 @@ def float16_on_this_cpu(precision: str, gpus: int,
     fused (slow) again. It is process-wide; TensorFlow caches it per thread, so a thread that
     already ran functions before another opened the block may not see it.
     """
-    hazard = precision == "mixed_float16" and not gpus and cpu_sends_float16_to_onednn(cpuinfo)
+    hazard = (precision == "mixed_float16"
+              and not (tensorflow_gpus() if gpus is None else gpus)
+              and cpu_sends_float16_to_onednn(cpuinfo))
     if not hazard:
         yield False
         return
@@ -127,6 +130,13 @@ def float16_on_this_cpu(precision: str, gpus: int,
         yield True
     finally:
         _REMAPPER.exit()
+
+
+def tensorflow_gpus() -> int:
+    """The GPUs TensorFlow trains on (its logical GPU devices)."""
+    import tensorflow as tf
+
+    return len(tf.config.list_logical_devices("GPU"))
 
 
 def gpu_capabilities() -> list[tuple[int, int]]:
@@ -220,8 +230,6 @@ def training_precision(precision: str, jit_compile: str, backend: str
     if backend == "jax":
         capabilities = jax_gpu_capabilities()
         return resolve_precision(precision, capabilities), True, len(capabilities)
-    import tensorflow as tf
-
-    gpus = len(tf.config.list_logical_devices("GPU"))
+    gpus = tensorflow_gpus()
     return (resolve_precision(precision, gpu_capabilities()), resolve_jit(jit_compile, gpus),
             gpus)

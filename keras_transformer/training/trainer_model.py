@@ -177,18 +177,12 @@ class TransformerTrainer(Transformer):
         return self.train_function
 
 
-def _tensorflow_gpus() -> int:
-    import tensorflow as tf  # its GPUs
-
-    return len(tf.config.list_logical_devices("GPU"))
-
-
 def _float16_on_this_cpu(model: TransformerTrainer):
     """`float16_on_this_cpu` for the model's dtype policy and TensorFlow's GPUs (a no-op
     context on other backends, whose XLA has no such fusion)."""
     if keras.backend.backend() != "tensorflow":
         return contextlib.nullcontext(False)
-    return float16_on_this_cpu(model.dtype_policy.name, _tensorflow_gpus())
+    return float16_on_this_cpu(model.dtype_policy.name)
 
 
 def _accumulator(model: TransformerTrainer, steps: int):

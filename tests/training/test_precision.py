@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.training import precision, trainer_model
+from keras_transformer.training import precision
 from keras_transformer.training.losses import LabelSmoothedCrossEntropy
 from keras_transformer.training.precision import (
     cpu_sends_float16_to_onednn,
@@ -155,7 +155,7 @@ def test_a_float16_fit_on_such_a_cpu_trains_with_the_remapper_off(monkeypatch,
     `predict` and `*_on_batch` (`--recipe auto` times `train_on_batch`), each putting the
     setting back after."""
     monkeypatch.setattr(precision, "cpu_flags", lambda cpuinfo: set(SAPPHIRE_RAPIDS.split()))
-    monkeypatch.setattr(trainer_model, "_tensorflow_gpus", lambda: 0)  # as on a CPU
+    monkeypatch.setattr(precision, "tensorflow_gpus", lambda: 0)  # as on a CPU
     tf.config.optimizer.set_experimental_options({"remapping": True})
     seen = []
     record = keras.callbacks.LambdaCallback(
