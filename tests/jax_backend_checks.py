@@ -172,6 +172,45 @@ def check_loss_scaling() -> dict:
             "scale": float(model.optimizer.dynamic_scale)}
 
 
+def check_dropout() -> dict:
+    """The 16-bit-mask Dropout under JAX: keras Dropout's distribution, scale and gradient,
+    drawn from `jax.random.bits(key, shape, uint16)` with the layer's seed generator's key."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    from keras_transformer.layers.dropout import Dropout
+
+    layer = Dropout(0.3, seed=5)
+    inputs = jnp.ones((500, 1000))
+    key = np.asarray(layer.seed_generator.state.value)
+    first = np.asarray(layer(inputs, training=True))
+    second = np.asarray(layer(inputs, training=True))
+    expected = np.asarray(jax.random.bits(key, inputs.shape, jnp.uint16)) >= layer.threshold
+    # The gradient is the scaled mask of the same draw.
+
+    def summed(x):
+        outputs = layer(x, training=True)
+        return jnp.sum(outputs), outputs
+
+    (_, outputs), gradient = jax.value_and_grad(summed, has_aux=True)(jnp.ones((64, 48)))
+    scale = 65536 / (65536 - layer.threshold)
+    bfloat16 = Dropout(0.5, seed=3, dtype="mixed_bfloat16")(
+        jnp.ones((3, 5, 7), jnp.bfloat16), training=True)
+    return {"backend": keras.backend.backend(),
+            "kept_fraction": float((first > 0).mean()),
+            "survivor_values": sorted({float(v) for v in np.unique(first[first > 0])}),
+            "scale": scale,
+            "mask_is_the_16_bit_draw": bool(np.array_equal(first > 0, expected)),
+            "masks_differ_between_calls": not np.array_equal(first, second),
+            "gradient_is_the_scaled_mask": bool(np.array_equal(
+                np.asarray(gradient), np.where(np.asarray(outputs) != 0, np.float32(scale),
+                                               np.float32(0.0)))),
+            "bfloat16_dtype": str(bfloat16.dtype),
+            "identity_when_not_training": bool(np.array_equal(
+                np.asarray(layer(inputs, training=False)), np.asarray(inputs)))}
+
+
 def main(work: Path) -> None:
     results, timings = {}, {}
 
@@ -186,6 +225,7 @@ def main(work: Path) -> None:
     results["accumulation"], accumulated = timed("accumulation", check_accumulation)
     results["data_parallel"] = timed("data_parallel", lambda: check_data_parallel(accumulated))
     results["loss_scaling"] = timed("loss_scaling", check_loss_scaling)
+    results["dropout"] = timed("dropout", check_dropout)
     results["seconds"] = timings
     (work / "jax_results.json").write_text(json.dumps(results, indent=1))
 

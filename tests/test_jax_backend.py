@@ -105,3 +105,17 @@ def test_mixed_float16_skips_overflowing_updates_and_counts_them_as_steps(jax_re
     # A scale of 2^60 overflows float16: the update is skipped, counted, and the scale halved.
     assert jax_results["loss_scaling"] == {"skipped_updates": 1, "iterations": 1,
                                            "weights_unchanged": True, "scale": 2.0**59}
+
+
+def test_dropout_draws_16_bit_masks_with_keras_distribution_under_jax(jax_results):
+    dropout = jax_results["dropout"]
+    assert dropout["backend"] == "jax"
+    # 500k Bernoulli draws: the standard error of the kept fraction is under 7e-4.
+    assert abs(dropout["kept_fraction"] - 0.7) < 4e-3
+    assert len(dropout["survivor_values"]) == 1
+    assert abs(dropout["survivor_values"][0] - dropout["scale"]) < 1e-6
+    assert abs(dropout["scale"] - 1 / 0.7) < 1e-4  # the rate rounded to 16 bits
+    assert dropout["mask_is_the_16_bit_draw"] and dropout["masks_differ_between_calls"]
+    assert dropout["gradient_is_the_scaled_mask"]
+    assert dropout["bfloat16_dtype"] == "bfloat16"
+    assert dropout["identity_when_not_training"]

@@ -114,3 +114,41 @@ def test_a_saved_trainer_reloads_as_a_trainer(tmp_path):
     features, _ = _batch()
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(loaded(features)),
                                   keras.ops.convert_to_numpy(trainer(features)))
+
+
+def test_the_optimizer_is_built_before_the_step_is_traced_with_the_same_result():
+    # Keras' TensorFlow trainer, without a strategy, builds the optimizer inside the first
+    # traced step, where each variable's initialization is guarded by a tf.cond (slow to
+    # trace). The trainer builds it first, in `fit` and in `train_on_batch`: the same
+    # variables and the same updates as Keras' own `fit` (the control).
+    import tensorflow as tf
+
+    features, labels = _batch(3)
+    trained, built_when_traced = [], []
+    for entry in (TransformerTrainer.fit, TransformerTrainer.train_on_batch, keras.Model.fit):
+        keras.utils.set_random_seed(0)
+        model = build_trainer("tiny", vocab_size=VOCAB, num_layers=1)
+        model.compile(keras.optimizers.Adam(1e-2), loss=LabelSmoothedCrossEntropy(0.1))
+        original = model.make_train_function
+
+        def make_train_function(force=False, model=model, original=original):
+            if model.train_function is None:  # the step is made (and traced) from here
+                built_when_traced.append(model.optimizer.built)
+            return original(force)
+
+        model.make_train_function = make_train_function
+        if entry is TransformerTrainer.train_on_batch:
+            entry(model, features, labels)
+            entry(model, features, labels)
+        else:
+            entry(model, tf.data.Dataset.from_tensors((features, labels)).repeat(2), epochs=1,
+                  verbose=0, shuffle=False)
+        assert int(model.optimizer.iterations) == 2
+        # The paths below the optimizer's own (unique) name: "adam", "adam_1", ...
+        trained.append(([v.path.split("/", 1)[1] for v in model.optimizer.variables],
+                        [keras.ops.convert_to_numpy(w) for w in model.weights]))
+    assert built_when_traced == [True, True, False]
+    (paths, weights), *others = trained
+    for other_paths, other_weights in others:
+        assert other_paths == paths
+        assert all(np.array_equal(a, b) for a, b in zip(weights, other_weights, strict=True))
