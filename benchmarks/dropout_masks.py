@@ -1,6 +1,6 @@
-"""Dropout's masks under Keras' JAX backend: keras' own `Dropout` (a float32 uniform, 32
-random bits per element) against ours (`keras_transformer.layers.Dropout`, 16 random bits per
-element from `jax.random.bits`), each forward and backward in one XLA-compiled function.
+"""Dropout's masks under Keras' JAX backend: keras' own `Dropout` (`jax.random.bernoulli`: a
+Threefry-2x32 block per element) against ours (`keras_transformer.layers.Dropout`: four
+16-bit draws per block), each forward and backward in one XLA-compiled function.
 
 Prints one JSON object: the device, and per layer the median time (ms) of `--calls` calls
 over `--rounds` interleaved rounds, with the elements per second. The default shape is one

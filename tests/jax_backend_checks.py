@@ -174,10 +174,11 @@ def check_loss_scaling() -> dict:
 
 def check_dropout() -> dict:
     """The 16-bit-mask Dropout under JAX: keras Dropout's distribution, scale and gradient,
-    drawn from `jax.random.bits(key, shape, uint16)` with the layer's seed generator's key."""
+    drawn from Threefry-2x32 blocks with the layer's seed generator's key."""
     import jax
     import jax.numpy as jnp
     import keras
+    from jax.extend.random import threefry_2x32
 
     from keras_transformer.layers.dropout import Dropout
 
@@ -186,7 +187,9 @@ def check_dropout() -> dict:
     key = np.asarray(layer.seed_generator.state.value)
     first = np.asarray(layer(inputs, training=True))
     second = np.asarray(layer(inputs, training=True))
-    expected = np.asarray(jax.random.bits(key, inputs.shape, jnp.uint16)) >= layer.threshold
+    # Four 16-bit draws from each Threefry-2x32 block on counters 0, 1, 2, ...
+    words = np.asarray(threefry_2x32(key, jnp.arange(inputs.size // 2, dtype=jnp.uint32)))
+    expected = words.view(np.uint16).reshape(inputs.shape) >= layer.threshold
     # The gradient is the scaled mask of the same draw.
 
     def summed(x):
