@@ -187,9 +187,13 @@ def check_dropout() -> dict:
     key = np.asarray(layer.seed_generator.state.value)
     first = np.asarray(layer(inputs, training=True))
     second = np.asarray(layer(inputs, training=True))
-    # Four 16-bit draws from each Threefry-2x32 block on counters 0, 1, 2, ...
-    words = np.asarray(threefry_2x32(key, jnp.arange(inputs.size // 2, dtype=jnp.uint32)))
-    expected = words.view(np.uint16).reshape(inputs.shape) >= layer.threshold
+    # Four 16-bit draws from each Threefry-2x32 block, whose counter (0, position) runs over
+    # the (500, 250) positions row by row. `threefry_2x32` pairs its count's halves.
+    blocks = inputs.size // 4
+    words = np.asarray(threefry_2x32(key, jnp.concatenate(
+        [jnp.zeros(blocks, jnp.uint32), jnp.arange(blocks, dtype=jnp.uint32)])))
+    pairs = np.stack([words[:blocks], words[blocks:]], axis=-1)
+    expected = pairs.view(np.uint16).reshape(inputs.shape) >= layer.threshold
     # The gradient is the scaled mask of the same draw.
 
     def summed(x):
@@ -198,6 +202,20 @@ def check_dropout() -> dict:
 
     (_, outputs), gradient = jax.value_and_grad(summed, has_aux=True)(jnp.ones((64, 48)))
     scale = 65536 / (65536 - layer.threshold)
+    # A data-parallel step's dropout (inputs split by rows over the 2 host devices): each
+    # device draws its own rows' masks, with no collective.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+    sharded = jax.device_put(jnp.ones((8, 6, 10)), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("batch")))
+    seed_state = layer.seed_generator.state
+
+    def stateless(x, state_value):
+        with keras.StatelessScope(state_mapping=[(seed_state, state_value)]):
+            return layer(x, training=True)
+
+    program = jax.jit(stateless).lower(sharded, seed_state.value).compile().as_text()
+    collectives = sum(program.count(op) for op in ("all-gather", "all-reduce", "all-to-all",
+                                                   "collective-permute"))
     bfloat16 = Dropout(0.5, seed=3, dtype="mixed_bfloat16")(
         jnp.ones((3, 5, 7), jnp.bfloat16), training=True)
     return {"backend": keras.backend.backend(),
@@ -210,6 +228,7 @@ def check_dropout() -> dict:
                 np.asarray(gradient), np.where(np.asarray(outputs) != 0, np.float32(scale),
                                                np.float32(0.0)))),
             "bfloat16_dtype": str(bfloat16.dtype),
+            "devices": len(jax.devices()), "collectives_when_split_by_rows": collectives,
             "identity_when_not_training": bool(np.array_equal(
                 np.asarray(layer(inputs, training=False)), np.asarray(inputs)))}
 

@@ -118,4 +118,5 @@ def test_dropout_draws_16_bit_masks_with_keras_distribution_under_jax(jax_result
     assert dropout["mask_is_the_16_bit_draw"] and dropout["masks_differ_between_calls"]
     assert dropout["gradient_is_the_scaled_mask"]
     assert dropout["bfloat16_dtype"] == "bfloat16"
+    assert dropout["devices"] == 2 and dropout["collectives_when_split_by_rows"] == 0
     assert dropout["identity_when_not_training"]
