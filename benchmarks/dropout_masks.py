@@ -2,8 +2,8 @@
 Threefry-2x32 block per element) against ours (`keras_transformer.layers.Dropout`: four
 16-bit draws per block), each forward and backward in one XLA-compiled function.
 
-Prints one JSON object: the device, and per layer the median time (ms) of `--calls` calls
-over `--rounds` interleaved rounds, with the elements per second. The default shape is one
+Prints one JSON object: the device, and per layer the median over `--rounds` interleaved
+rounds of a round's mean time per call (ms, `--calls` calls a round), with the elements per second. The default shape is one
 sub-layer output of the paper's ~25k-token step (25,600 tokens x d_model 512, bfloat16); a
 `base` training step draws about 30 such masks, a `big` one 30 of twice the width.
 
@@ -46,7 +46,8 @@ def compiled_step(layer):
     return jax.jit(step)
 
 
-def median_ms(step, inputs, cotangent, seed_state, calls: int) -> tuple[float, object]:
+def round_ms(step, inputs, cotangent, seed_state, calls: int) -> tuple[float, object]:
+    """(mean ms per call over `calls` calls, the seed state after them): one round."""
     start = time.perf_counter()
     for _ in range(calls):
         gradient, seed_state = step(inputs, cotangent, seed_state)
@@ -79,7 +80,7 @@ def main() -> None:
                        "ms": []}
     for _ in range(args.rounds):  # interleaved: drift hits both alike
         for case in cases.values():
-            ms, case["seed_state"] = median_ms(case["step"], inputs, cotangent,
+            ms, case["seed_state"] = round_ms(case["step"], inputs, cotangent,
                                                case["seed_state"], args.calls)
             case["ms"].append(ms)
     elements = args.tokens * args.width

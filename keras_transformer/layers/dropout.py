@@ -1,4 +1,4 @@
-"""5.4 Residual Dropout, with a mask that is cheaper to draw on CPU.
+"""5.4 Residual Dropout, with a mask that is cheaper to draw.
 
 Keras' dropout draws one float32 uniform (32 random bits) per element; on CPU the random-number
 generation then costs more than the rest of the dropout, and on a GPU drawing the masks was
@@ -7,10 +7,10 @@ against a threshold keeps the same distribution (rate rounded to a multiple of 1
 half the random bits. Each backend draws them its own way: TensorFlow with a stateless
 uniform of 32-bit words bitcast to 16-bit halves (`tf.bitcast`); JAX with Threefry-2x32
 blocks on a counter laid out like the input, each block's 64 bits bitcast to four 16-bit
-draws along the last axis, where keras' mask
-(`jax.random.bernoulli`, under JAX's default partitionable Threefry) spends a block on every
-element, and `jax.random.bits(key, shape, uint16)` would too (masks 5x faster forward and
-backward on a CPU, `benchmarks/dropout_masks.py`). Other backends draw keras' own mask.
+draws along the last axis, where keras' mask (`jax.random.bernoulli`, under JAX's default
+partitionable Threefry) spends a block on every element, and `jax.random.bits(key, shape,
+uint16)` would too (masks 5x faster forward and backward on a CPU,
+`benchmarks/dropout_masks.py`). Other backends draw keras' own mask.
 """
 
 from __future__ import annotations

@@ -194,8 +194,8 @@ def _build_optimizer_before_tracing(model: TransformerTrainer) -> None:
 
     Without a distribution strategy Keras defers the build to the step's trace (under a
     strategy it builds them first, as here). A variable created inside a `tf.function` gets
-    its initialization guarded by a `tf.cond`, one per variable: Adam's two slots per weight
-    made the first trace ~40% slower (12 of 31 s for the `tiny` trainer here). The variables
+    its initialization guarded by a `tf.cond`, one per variable (425 in a `tiny` accumulation
+    test's fits): 11.7 s of tracing against 0.4 s built first (BENCHMARKS.md). The variables
     are the same ones, on the same trainable variables, as Keras' own build at the first
     `apply` would make them.
     """
