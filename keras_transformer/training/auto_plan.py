@@ -9,8 +9,9 @@ preparing the data, training, the val choices, the test and the export) fits
 from measurements of this project (preparing, decoding, export: the constants below); the
 training gets the rest, at the measured step time times the run's own overheads
 (validation, checkpoints, new batch shapes). `--max-minutes` stays a guard on training alone,
-set to 1.25x the planned training minutes: a machine that slows down still ends near the
-budget, and a run stopped by it says so (results.json's stop_reason and convergence).
+set to 1.25x the planned training minutes (or, where the passes cap the steps, the training
+minutes the budget leaves, if more): a machine that slows down still ends near the budget,
+and a run stopped by it says so (results.json's stop_reason and convergence).
 """
 
 from __future__ import annotations

@@ -385,8 +385,10 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                 else Path("saved_models") / Path(config.output.out).name)
         results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=beam,
                                                    alpha=alpha))
-    results["convergence"] = convergence_report(read_validation_losses(
-        run / run_directory.LOG_DIR / "metrics.csv"))
+    cooldown, planned = config.optimization.cooldown, outcome.get("max_steps")
+    results["convergence"] = convergence_report(
+        read_validation_losses(run / run_directory.LOG_DIR / "metrics.csv"),
+        cooldown_from=planned * (1 - cooldown) if cooldown and planned else None)
     if config.model.init_from:
         results["fine_tuning"] = _before_and_after(config, corpora, model, tokenizer,
                                                    results, beam, alpha)

@@ -142,7 +142,7 @@ class TrainingLoop:
         """What `run.finish_run` reports of the training."""
         step, stopper, checkpointer = cb.global_step(model), self.stopper, self.checkpointer
         return {
-            "step": step, "diverged": checkpointer.diverged,
+            "step": step, "max_steps": self.max_steps, "diverged": checkpointer.diverged,
             "reason": stopper.reason or self.state.get("stop_reason") or f"reached step {step}",
             "elapsed": stopper.elapsed if not done else stopper.elapsed_before,
             "tokens_per_sec": self.throughput.total_tokens / max(

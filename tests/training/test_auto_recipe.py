@@ -179,11 +179,18 @@ def test_a_minutes_budget_becomes_steps_and_a_guard(multi30k):
     assert choices["max_steps"].value == 4000  # 3,600 s / 0.9 s
     assert "60.0 min of training at 0.900 s a step" in choices["max_steps"].reason
     assert choices["max_minutes"].value == 75.0  # 1.25 x the 60 minutes planned
-    # Where the cap binds, the guard follows the capped steps, not the seconds given.
+    # Where the cap binds, the steps follow the cap, and the guard lets a slower machine
+    # use the budget's training minutes before it cuts the schedule short.
     capped = rules.budget_minutes_choices(multi30k, "small", 3600, 0.1)
     steps = capped["max_steps"].value
     assert steps < 36_000 and "passes" in capped["max_steps"].reason
-    assert capped["max_minutes"].value == round(1.25 * steps * 0.1 / 60, 1)
+    assert capped["max_minutes"].value == 60.0
+    assert "the 60.0 training minutes the budget leaves" in capped["max_minutes"].reason
+    # A cap that leaves less slack than 1.25x: the 1.25x guard.
+    slack = steps * 0.1 * 1.1
+    near = rules.budget_minutes_choices(multi30k, "small", slack, 0.1)
+    assert near["max_steps"].value == steps
+    assert near["max_minutes"].value == round(1.25 * steps * 0.1 / 60, 1)
     # Never under a minute; never zero steps.
     tiny = rules.budget_minutes_choices(multi30k, "small", 1.0, 5.0)
     assert tiny["max_steps"].value == 1 and tiny["max_minutes"].value == 1.0

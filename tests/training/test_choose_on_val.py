@@ -133,9 +133,15 @@ def test_finish_run_choosing_by_bleu_decodes_test_with_the_setting_chosen_on_val
                "test:fr": corpus("test", pairs[7:], "fr")}
     config = train_config(data=str(tmp_path), src="de", tgt="en", out=str(run),
                           average_last=2, beam=2, alpha=0.6, choose_by="bleu",
-                          val_beams="2,1", val_alphas="0.6,1.0", no_export=True)
+                          val_beams="2,1", val_alphas="0.6,1.0", no_export=True,
+                          max_steps=20, cooldown=0.2)
     record = {"model": {"preset": "tiny", "vocab_size": small_tokenizer.vocab_size}}
-    outcome = {"step": 20, "reason": "max steps", "elapsed": 1.0, "tokens_per_sec": 1.0,
+    # The validations the run logged: a plateau, then the last 20%'s cooldown drop.
+    (run / "logs").mkdir()
+    (run / "logs" / "metrics.csv").write_text("step,val_loss\n" + "".join(
+        f"{step},{loss}\n" for step, loss in ((4, 6.0), (8, 5.0), (12, 4.99), (16, 4.995),
+                                               (20, 4.8))))
+    outcome = {"step": 20, "max_steps": 20, "reason": "max steps", "elapsed": 1.0, "tokens_per_sec": 1.0,
                "best_val_loss": 9.0, "best_step": 10, "precision": "float32",
                "loss_scale": None, "skipped_updates": None, "replicas": 1, "workers": 1,
                "jit_compile": False, "fused_kernels": False}
@@ -143,6 +149,10 @@ def test_finish_run_choosing_by_bleu_decodes_test_with_the_setting_chosen_on_val
     results = finish_run(config, record, corpora, outcome)
 
     assert results == json.loads((run / "results.json").read_text())
+    # Judged up to the cooldown (step 16 of 20): converged, the drop after it reported apart.
+    convergence = results["convergence"]
+    assert (convergence["verdict"], convergence["cooldown_from_step"]) == ("converged", 16)
+    assert convergence["cooldown_gain"] == pytest.approx((4.99 - 4.8) / 4.99, abs=1e-5)
     candidates = results["averaging"]["candidates"]
     assert [c["name"] for c in candidates] == ["last", "up to the best step", "best checkpoint"]
     assert all("val_bleu" in c and "val_loss" not in c for c in candidates)

@@ -66,3 +66,54 @@ def test_the_logged_csv_is_read_with_its_gaps_and_resumed_rows(tmp_path):
     assert read_validation_losses(path) == [(200, 4.5), (400, 3.8)]
     assert read_validation_losses(tmp_path / "absent.csv") == []
     assert not math.isnan(sum(loss for _, loss in read_validation_losses(path)))
+
+
+# The 4,533-step `--recipe auto` Multi30k de->en run (a Xeon, 2026-11-27; 4,817 steps
+# planned with a 20% cooldown from step 3,853.6, stopped by its --max-minutes guard): the
+# plateau from ~2,400 steps that the recipe's runs show, then the cooldown's drop.
+AUTO_DE_EN = [(200, 5.524), (400, 4.688), (600, 4.175), (800, 3.632), (1000, 3.297),
+              (1200, 3.099), (1400, 2.966), (1600, 2.881), (1800, 2.788), (2000, 2.737),
+              (2200, 2.691), (2400, 2.655), (2600, 2.651), (2800, 2.644), (3000, 2.669),
+              (3200, 2.641), (3400, 2.659), (3600, 2.635), (3800, 2.637), (4000, 2.635),
+              (4200, 2.626), (4400, 2.628), (4533, 2.623)]
+AUTO_COOLDOWN_FROM = 4817 * (1 - 0.2)
+
+
+def test_a_cooldowns_drop_is_not_taken_for_a_curve_still_improving():
+    # Judged on the whole curve, the annealing's last 0.5% reads as a trend.
+    assert convergence_report(AUTO_DE_EN)["verdict"] == "still improving"
+    report = convergence_report(AUTO_DE_EN, cooldown_from=AUTO_COOLDOWN_FROM)
+    assert report["verdict"] == "converged"
+    assert report["cooldown_from_step"] == 3854
+    assert report["cooldown_gain"] == pytest.approx((2.635 - 2.623) / 2.635, abs=1e-5)
+    # The plateau of the curve before the cooldown: first within 0.5% of its best, 2.635.
+    assert report["plateau_from_step"] == 2800
+    assert report["tail_improvement"] == pytest.approx((2.644 - 2.635) / 2.644, abs=1e-5)
+    # The whole run's best and final losses are still reported as they were.
+    assert (report["best_step"], report["best_val_loss"], report["final_val_loss"]) == (
+        4533, 2.623, 2.623)
+    assert "before the cooldown (3,800 steps)" in report["message"]
+    assert "from 2.635 to 2.623" in report["message"]
+    assert "would not help" in report["message"]
+
+
+def test_a_curve_still_falling_before_its_cooldown_is_still_improving():
+    # en->de's curve, then a cooldown's drop: the trend before the cooldown decides.
+    curve = EN_DE + [(4400, 2.66), (4600, 2.64)]
+    report = convergence_report(curve, cooldown_from=4300)
+    assert report["verdict"] == "still improving"
+    assert report["tail_improvement"] == pytest.approx((2.724 - 2.695) / 2.724, abs=1e-5)
+    assert report["cooldown_gain"] == pytest.approx((2.695 - 2.64) / 2.695, abs=1e-5)
+    # Projected from the curve before the cooldown: no lower than that curve's trend allows.
+    assert 2.5 < report["projected_val_loss_at_twice_the_steps"] < 2.695
+    assert "before a cooldown" in report["message"] and "9,200" in report["message"]
+
+
+def test_a_cooldown_with_too_little_before_it_is_judged_on_the_whole_curve():
+    curve = _curve([5.0, 4.0, 3.0, 2.9, 2.8, 2.7])
+    late = convergence_report(curve, cooldown_from=1300)  # no validation after it
+    early = convergence_report(curve, cooldown_from=500)  # 2 validations before it
+    plain = convergence_report(curve)
+    for report in (late, early):
+        assert "cooldown_gain" not in report
+        assert report == plain
