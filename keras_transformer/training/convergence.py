@@ -106,7 +106,8 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
                           cooldown_gain=round(gain, 5))
             annealed = (f"; the rate's cooldown from step {round(cooldown_from):,} then took "
                         f"it from {plain_best:.3f} to {min(after):.3f} "
-                        f"({100 * gain:+.1f}%), as annealing does at the end of any run")
+                        f"({100 * abs(gain):.1f}% {'lower' if gain >= 0 else 'higher'}), "
+                        "as annealing does at the end of any run")
     judged_steps = [step for step, _ in judged]
     judged_last = judged_steps[-1]
     tail_start = judged_last - TAIL_FRACTION * (judged_last - judged_steps[0])

@@ -93,7 +93,7 @@ def test_a_cooldowns_drop_is_not_taken_for_a_curve_still_improving():
     assert (report["best_step"], report["best_val_loss"], report["final_val_loss"]) == (
         4533, 2.623, 2.623)
     assert "before the cooldown (3,800 steps)" in report["message"]
-    assert "from 2.635 to 2.623" in report["message"]
+    assert "from 2.635 to 2.623 (0.5% lower)" in report["message"]
     assert "would not help" in report["message"]
 
 
