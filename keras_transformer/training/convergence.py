@@ -23,8 +23,8 @@ annealing's (Haegele et al. 2024), and more steps would end with the same drop. 
 judged on the validations before its cooldown begins, and the report gives what the cooldown
 added (`cooldown_gain`). Without that, the 4,533-step `auto` Multi30k de->en run (a 20%
 cooldown; val loss 2.655 at step 2,400, 2.635-2.669 until the cooldown at 3,854, 2.623 at the
-end) was called "still improving" and projected 2.545 for twice the steps, the plateau by
-~2,400 steps that the recipe's runs show.
+end) was called "still improving" and projected 2.545 for twice the steps, despite the
+plateau by ~2,400 steps that the recipe's runs show.
 
 `TOLERANCE` (0.5%) is about the step-to-step noise of Multi30k's val loss at its plateau
 (2.66-2.72 around 2.69: ±1.1%; the best of a window moves less than a single value), and
@@ -78,7 +78,8 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
         {"verdict": "still improving" | "converged" | "overfitting" | "unknown",
          "message": one line for the log, "best_step", "best_val_loss", "final_val_loss",
          and by verdict: "plateau_from_step", "tail_improvement" (relative),
-         "projected_val_loss_at_twice_the_steps", "rise_since_best" (relative); with a
+         "projected_val_loss_at_twice_the_steps" (with a cooldown: at twice the step it
+         began, before a longer run's own cooldown), "rise_since_best" (relative); with a
          cooldown judged apart, "cooldown_from_step" and "cooldown_gain" (relative: the best
          loss after the cooldown began against the best before it)}.
     """
@@ -106,8 +107,8 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
                           cooldown_gain=round(gain, 5))
             annealed = (f"; the rate's cooldown from step {round(cooldown_from):,} then took "
                         f"it from {plain_best:.3f} to {min(after):.3f} "
-                        f"({100 * abs(gain):.1f}% {'lower' if gain >= 0 else 'higher'}), "
-                        "as annealing does at the end of any run")
+                        + (f"({100 * gain:.2f}% lower), as annealing does at the end of "
+                           "any run" if gain >= 0 else f"({-100 * gain:.2f}% higher)"))
     judged_steps = [step for step, _ in judged]
     judged_last = judged_steps[-1]
     tail_start = judged_last - TAIL_FRACTION * (judged_last - judged_steps[0])
@@ -129,15 +130,19 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
     elif improvement > tolerance:
         # Without a cooldown judged apart, the curve's end; with one, the curve before it
         # (its drop is the annealing's, not a trend), so roughly the pre-cooldown loss.
-        projected = _projected_loss(judged, 2 * last_step)
+        # With a cooldown: where a run of twice the steps would start its own cooldown
+        # (which would then lower the loss further).
+        target = 2 * round(cooldown_from) if annealed else 2 * last_step
+        projected = _projected_loss(judged, target)
         report.update(verdict="still improving",
                       projected_val_loss_at_twice_the_steps=round(projected, 4),
                       message=f"still improving{where}: the best val loss of the last "
                               f"{100 * TAIL_FRACTION:.0f}% of the steps is "
                               f"{100 * improvement:.1f}% below the best before them ("
                               f"{min(tail):.3f} against {min(before):.3f}); roughly "
-                              f"{projected:.3f} after twice the steps ({2 * last_step:,})"
-                              + (" before a cooldown" if annealed else "")
+                              + (f"{projected:.3f} at step {target:,}, where a run of twice "
+                                 "the steps would start its cooldown" if annealed else
+                                 f"{projected:.3f} after twice the steps ({target:,})")
                               + f": a longer budget would help{annealed}")
     else:
         plain_best = min(loss for _, loss in judged)

@@ -388,7 +388,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     cooldown, planned = config.optimization.cooldown, outcome.get("max_steps")
     results["convergence"] = convergence_report(
         read_validation_losses(run / run_directory.LOG_DIR / "metrics.csv"),
-        cooldown_from=planned * (1 - cooldown) if cooldown and planned else None)
+        # The optimizer's own expression (optimizer.py): 90 * (1 - 0.7) is 62.99...
+        cooldown_from=planned - cooldown * planned if cooldown and planned else None)
     if config.model.init_from:
         results["fine_tuning"] = _before_and_after(config, corpora, model, tokenizer,
                                                    results, beam, alpha)
