@@ -145,8 +145,8 @@ def test_finish_run_choosing_by_bleu_decodes_test_with_the_setting_chosen_on_val
                                                (18, 4.8))))
     outcome = {"step": 18, "max_steps": 20, "reason": "max minutes", "elapsed": 1.0,
                "tokens_per_sec": 1.0, "best_val_loss": 9.0, "best_step": 10,
-               "precision": "float32", "loss_scale": None, "skipped_updates": None, "replicas": 1, "workers": 1,
-               "jit_compile": False, "fused_kernels": False}
+               "precision": "float32", "loss_scale": None, "skipped_updates": None,
+               "replicas": 1, "workers": 1, "jit_compile": False, "fused_kernels": False}
     caplog.set_level("INFO", logger="keras_transformer")
     results = finish_run(config, record, corpora, outcome)
 
