@@ -95,7 +95,7 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
     report: dict[str, Any] = {"validations": len(history), "best_step": best_step,
                               "best_val_loss": best, "final_val_loss": final,
                               "tolerance": tolerance}
-    judged, annealed = list(history), ""
+    judged, annealed, plain_best = list(history), "", best
     if cooldown_from is not None:
         before_cooldown = [(step, loss) for step, loss in history if step <= cooldown_from]
         after = [loss for step, loss in history if step > cooldown_from]
@@ -109,9 +109,8 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
                         f"it from {plain_best:.3f} to {min(after):.3f} "
                         + (f"({100 * gain:.2f}% lower), as annealing does at the end of "
                            "any run" if gain >= 0 else f"({-100 * gain:.2f}% higher)"))
-    judged_steps = [step for step, _ in judged]
-    judged_last = judged_steps[-1]
-    tail_start = judged_last - TAIL_FRACTION * (judged_last - judged_steps[0])
+    judged_last = judged[-1][0]
+    tail_start = judged_last - TAIL_FRACTION * (judged_last - judged[0][0])
     before = [loss for step, loss in judged if step < tail_start]
     tail = [loss for step, loss in judged if step >= tail_start]
     if not before:
@@ -128,10 +127,8 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
                               "(the final weights are chosen on val: model.keras is not the "
                               "last step's)")
     elif improvement > tolerance:
-        # Without a cooldown judged apart, the curve's end; with one, the curve before it
-        # (its drop is the annealing's, not a trend), so roughly the pre-cooldown loss.
-        # With a cooldown: where a run of twice the steps would start its own cooldown
-        # (which would then lower the loss further).
+        # Projected from the curve judged; with a cooldown, to where a run of twice the
+        # steps would start its own (which would then lower the loss further).
         target = 2 * round(cooldown_from) if annealed else 2 * last_step
         projected = _projected_loss(judged, target)
         report.update(verdict="still improving",
@@ -145,7 +142,6 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
                                  f"{projected:.3f} after twice the steps ({target:,})")
                               + f": a longer budget would help{annealed}")
     else:
-        plain_best = min(loss for _, loss in judged)
         plateau = next(step for step, loss in judged if loss <= plain_best * (1 + tolerance))
         report.update(verdict="converged", plateau_from_step=plateau,
                       message=f"converged{where}: val loss within {100 * tolerance:.1f}% of "
