@@ -159,7 +159,8 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
         "checkpoint_every": Choice(every, f"{CHECKPOINTS_PER_RUN} checkpoints a run "
                                    "(multi30k: every 100 of 4,200)"),
         "validate_every": Choice(2 * every, "every second checkpoint"),
-        "average_last": Choice(5, "the paper's 5 (6.1), chosen against the best on val"),
+        "average_last": Choice(5, "the paper's 5 (6.1), chosen on val against the 5 around "
+                                          "the best step before the cooldown and the best"),
     }
 
 

@@ -275,6 +275,9 @@ class RunCheckpointer(keras.callbacks.Callback):
         stopper: the `StopAt` callback, whose elapsed time is recorded for resuming.
         state: restored state of an interrupted run (best_val_loss, bad_validations, the
             checkpoint files' record, ...).
+        cooldown_from: the step where the rate's final cooldown begins (None: no cooldown):
+            the checkpoints around the best validation step before it are kept as well
+            (`keras_transformer.training.checkpoints.averaging_windows`).
 
     Raises (from `on_epoch_end`):
         StorageError: a full or failing disk; the files written before are intact.
@@ -289,6 +292,7 @@ class RunCheckpointer(keras.callbacks.Callback):
         patience: int,
         stopper: StopAt,
         state: dict[str, Any] | None = None,
+        cooldown_from: float | None = None,
     ):
         super().__init__()
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -301,6 +305,8 @@ class RunCheckpointer(keras.callbacks.Callback):
         self.best_val_loss = float(state.get("best_val_loss") or math.inf)
         self.best_step = int(state.get("best_step", -1))
         self.bad_validations = int(state.get("bad_validations", 0))
+        self.cooldown_from = cooldown_from
+        self.best_before_cooldown = int(state.get("best_step_before_cooldown", -1))
         # name -> {"bytes", "crc32"} of every checkpoint file kept, recorded in the backup.
         self.checkpoints = backup.checkpoint_record(self.checkpoint_dir, state)
         self.diverged = False
@@ -335,15 +341,18 @@ class RunCheckpointer(keras.callbacks.Callback):
                     )
                     self.stopped_early = True
                     self.model.stop_training = True
+            if self.cooldown_from is not None and step <= self.cooldown_from:
+                self.best_before_cooldown = self.best_step
         # The backup last, so that a restart never sees a backup ahead of the checkpoints.
         backup.write_backup(self.model, self.backup_dir, self.state(epoch + 1, step),
                             self.checkpoints)
 
     def _remove_old_checkpoints(self) -> None:
-        # The newest `keep`, and those around the best step so far: an early-stopped run
-        # may average those instead (keras_transformer.training.checkpoints.averaging_windows).
+        # The newest `keep`, and those around the best step so far (and before the
+        # cooldown): an early-stopped or cooled-down run may average those instead (keras_transformer.training.checkpoints.averaging_windows).
         found = dict(list_checkpoints(self.checkpoint_dir))
-        for step in set(found) - steps_to_keep(list(found), self.best_step, self.keep):
+        for step in set(found) - steps_to_keep(list(found), self.best_step, self.keep,
+                                               self.best_before_cooldown):
             found[step].unlink(missing_ok=True)
             self.checkpoints.pop(found[step].name, None)
 
@@ -354,6 +363,7 @@ class RunCheckpointer(keras.callbacks.Callback):
             "elapsed_seconds": self.stopper.elapsed,
             "best_val_loss": self.best_val_loss if math.isfinite(self.best_val_loss) else None,
             "best_step": self.best_step,
+            "best_step_before_cooldown": self.best_before_cooldown,
             "bad_validations": self.bad_validations,
             "stopped_early": self.stopped_early,
             "stop_reason": self.stopper.reason,

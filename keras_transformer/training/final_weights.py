@@ -1,8 +1,9 @@
 """The weights a training run keeps (6.1, checkpoint averaging), chosen on the validation split.
 
 The candidates are the averages of `keras_transformer.training.checkpoints.averaging_windows` (the
-last checkpoints, and for a run whose best validation step came earlier, those up to and
-around it) and the best checkpoint alone. Each is scored on the validation split by a
+last checkpoints; for a run whose best validation step came earlier, those up to and around
+it; for a run with a cooldown, those around its best step before the cooldown) and the best
+checkpoint alone. Each is scored on the validation split by a
 `Criterion`: its exact per-token loss (the lowest wins, `by_val_loss`) or its BLEU
 (`--choose-by bleu`: the highest wins, `by_val_bleu`); an average wins ties (averaging is the
 paper's choice). The choice, the candidates and the reason go to `results.json`. Nothing is
@@ -60,7 +61,8 @@ def by_val_bleu(val_bleu: Callable[[keras.Model], float]) -> Criterion:
 
 def choose_final_weights(model: keras.Model, checkpoint_dir: str | Path, best_step: int | None,
                          count: int, val_loss: Callable[[keras.Model], float] | None = None,
-                         *, criterion: Criterion | None = None) -> dict[str, Any]:
+                         *, criterion: Criterion | None = None,
+                         best_before_cooldown: int | None = None) -> dict[str, Any]:
     """Loads into `model` the candidate weights that score best on the validation split.
 
     Args:
@@ -71,6 +73,8 @@ def choose_final_weights(model: keras.Model, checkpoint_dir: str | Path, best_st
         val_loss: the exact per-token validation loss of a model: short for
             `criterion=by_val_loss(val_loss)`.
         criterion: how candidates are scored (give it or `val_loss`, not both).
+        best_before_cooldown: with a cooldown, the step of the best validation loss before
+            it began (None: no cooldown, or unknown).
 
     Returns:
         `chosen` (a window name of `averaging_windows`, or `BEST`), `steps` (the steps whose
@@ -91,7 +95,8 @@ def choose_final_weights(model: keras.Model, checkpoint_dir: str | Path, best_st
     if not steps:
         raise FileNotFoundError(f"{checkpoint_dir}: no ckpt-*.weights.h5 to average")
     candidates = []
-    for name, window in averaging_windows(steps, best_step, count).items():
+    for name, window in averaging_windows(steps, best_step, count,
+                                          best_before_cooldown).items():
         averaged = checkpoint_dir / f"averaged-{len(candidates)}.weights.h5"
         average_checkpoints(checkpoint_dir, window, averaged)
         candidates.append({"name": name, "steps": window, "file": averaged})

@@ -6,6 +6,14 @@ import keras
 from keras import ops
 
 
+def cooldown_start(total_steps: int | None, cooldown: float) -> float | None:
+    """The step where `NoamSchedule`'s final cooldown begins (None without one): computed as
+    the schedule does, so that step comparisons agree with it (90 * (1 - 0.7) is 62.99...)."""
+    if not cooldown or not total_steps:
+        return None
+    return total_steps - cooldown * total_steps
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)  (paper eq. 3).

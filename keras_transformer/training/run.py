@@ -51,6 +51,7 @@ from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.fit import train_model
 from keras_transformer.training.keras_backend import check_backend, finishing_command
 from keras_transformer.training.losses import validation_loss
+from keras_transformer.training.optimizer import cooldown_start
 from keras_transformer.training.recipes import AUTO
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.val_choice import (
@@ -332,14 +333,16 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
 
     checkpoints = run / run_directory.CHECKPOINT_DIR
     if evaluation.choose_by == "bleu":
-        choice, decoding = choose_on_val_bleu(model, tokenizer, corpora["val"], checkpoints,
-                                              outcome["best_step"], evaluation)
+        choice, decoding = choose_on_val_bleu(
+            model, tokenizer, corpora["val"], checkpoints, outcome["best_step"], evaluation,
+            outcome.get("best_step_before_cooldown"))
         # One pass, so that final_val_loss compares with that of runs chosen by loss.
         final_val_loss = val_loss(model)
         beam, alpha = decoding["beam"], decoding["alpha"]
     else:
-        choice = choose_final_weights(model, checkpoints, outcome["best_step"],
-                                      evaluation.average_last, val_loss)
+        choice = choose_final_weights(
+            model, checkpoints, outcome["best_step"], evaluation.average_last, val_loss,
+            best_before_cooldown=outcome.get("best_step_before_cooldown"))
         final_val_loss, decoding = choice["val_loss"], None
         beam, alpha = evaluation.beam, evaluation.alpha
     with storage.replacing(run / run_directory.MODEL_FILE) as temporary:
@@ -385,11 +388,9 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                 else Path("saved_models") / Path(config.output.out).name)
         results["export"] = str(export_saved_model(model, tokenizer, base, beam_size=beam,
                                                    alpha=alpha))
-    cooldown, planned = config.optimization.cooldown, outcome.get("max_steps")
     results["convergence"] = convergence_report(
         read_validation_losses(run / run_directory.LOG_DIR / "metrics.csv"),
-        # The optimizer's own expression (optimizer.py): 90 * (1 - 0.7) is 62.99...
-        cooldown_from=planned - cooldown * planned if cooldown and planned else None)
+        cooldown_from=cooldown_start(outcome.get("max_steps"), config.optimization.cooldown))
     if config.model.init_from:
         results["fine_tuning"] = _before_and_after(config, corpora, model, tokenizer,
                                                    results, beam, alpha)

@@ -98,7 +98,8 @@ def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLo
     choice = choose_final_weights(
         model, out / run_directory.CHECKPOINT_DIR, outcome["best_step"],
         config.evaluation.average_last,
-        lambda candidate: validation_loss(candidate, validation, smoothing))
+        lambda candidate: validation_loss(candidate, validation, smoothing),
+        best_before_cooldown=outcome.get("best_step_before_cooldown"))
     with storage.replacing(out / run_directory.MODEL_FILE) as temporary:
         model.save(temporary)
     command = finishing_command(config, outcome["precision"], outcome["step"])

@@ -26,7 +26,7 @@ from keras_transformer.training.losses import (
     MaskedAccuracy,
     Perplexity,
 )
-from keras_transformer.training.optimizer import paper_adam
+from keras_transformer.training.optimizer import cooldown_start, paper_adam
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.trainer_model import build_trainer
 
@@ -105,7 +105,8 @@ class TrainingLoop:
         self.checkpointer = cb.RunCheckpointer(
             home / run_directory.CHECKPOINT_DIR, home / run_directory.BACKUP_DIR,
             config.output.checkpoint_every, keep=config.evaluation.average_last,
-            patience=config.evaluation.patience, stopper=self.stopper, state=state)
+            patience=config.evaluation.patience, stopper=self.stopper, state=state,
+            cooldown_from=cooldown_start(max_steps, optimization.cooldown))
         (home / run_directory.LOG_DIR).mkdir(parents=True, exist_ok=True)
         self.callbacks = [
             cb.FirstStepTimer(started, _LOG.info), self.stopper, self.throughput,
@@ -149,7 +150,10 @@ class TrainingLoop:
                 self.throughput.total_seconds, 1e-9),
             "best_val_loss": checkpointer.best_val_loss
             if math.isfinite(checkpointer.best_val_loss) else None,
-            "best_step": checkpointer.best_step, **loss_scaling_state(model.optimizer),
+            "best_step": checkpointer.best_step,
+            "best_step_before_cooldown": checkpointer.best_before_cooldown
+            if checkpointer.cooldown_from is not None else None,
+            **loss_scaling_state(model.optimizer),
         }
 
 

@@ -107,7 +107,8 @@ def choose_decoding(model: keras.Model, tokenizer, sources: Sequence[str],
 
 
 def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str | Path,
-                       best_step: int | None, evaluation: EvaluationConfig
+                       best_step: int | None, evaluation: EvaluationConfig,
+                       best_before_cooldown: int | None = None
                        ) -> tuple[dict[str, Any], dict[str, Any]]:
     """`--choose-by bleu`: the final weights by val BLEU at `--beam`/`--alpha`, then the
     decoding setting by `choose_decoding` over `--val-beams` x `--val-alphas`.
@@ -119,6 +120,8 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
         checkpoint_dir: the run's `checkpoints/`.
         best_step: the step of the best validation loss during training (None: unknown).
         evaluation: the run's `EvaluationConfig`.
+        best_before_cooldown: with a cooldown, the step of the best validation loss before
+            it began (None: no cooldown, or unknown).
 
     Returns:
         (what `choose_final_weights` returns, what `choose_decoding` returns).
@@ -134,7 +137,8 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
         return scored[-1]["bleu"]
 
     choice = choose_final_weights(model, checkpoint_dir, best_step, evaluation.average_last,
-                                  criterion=by_val_bleu(val_bleu))
+                                  criterion=by_val_bleu(val_bleu),
+                                  best_before_cooldown=best_before_cooldown)
     names = [candidate["name"] for candidate in choice["candidates"]]
     # The winner was decoded at --beam/--alpha already: that setting is not decoded again.
     known = {setting_key(beam, alpha): scored[names.index(choice["chosen"])]}

@@ -89,3 +89,37 @@ def test_checkpointer_keeps_the_newest_the_best_and_stops_early(tmp_path):
     model.optimizer.iterations.assign(50)
     checkpointer.on_epoch_end(4, {"loss": float("nan")})
     assert checkpointer.diverged and not checkpoint_path(tmp_path / "ckpt", 50).exists()
+
+
+def test_checkpointer_keeps_the_best_window_before_the_cooldown_across_a_resume(tmp_path):
+    """A run whose cooldown begins after step 45: its best step moves into the cooldown, and
+    the checkpoints around its best step before the cooldown (30) stay, a restart included."""
+    from keras_transformer.training.callbacks import RunCheckpointer
+
+    model = _compiled_tiny_model()
+
+    def checkpointer(state=None):
+        made = RunCheckpointer(tmp_path / "ckpt", tmp_path / "backup", checkpoint_every=10,
+                               keep=2, patience=0, stopper=StopAt(1000, None), state=state,
+                               cooldown_from=45.0)
+        made.set_model(model)
+        return made
+
+    def train(callback, losses, first_epoch):
+        for epoch, val_loss in enumerate(losses, first_epoch):
+            model.optimizer.iterations.assign((epoch + 1) * 10)
+            callback.on_epoch_end(epoch, {"loss": 1.0, "val_loss": val_loss})
+
+    first = checkpointer()
+    train(first, [5.0, 4.5, 4.0, 4.1, 3.0, 2.9], 0)  # best 30 before 45; 60 after it
+    assert (first.best_step, first.best_before_cooldown) == (60, 30)
+    # The newest 2, up to and around the best step (50 when step 60 was written), and the
+    # 2 nearest the best step before the cooldown (20 and 30, the earlier on ties).
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [20, 30, 40, 50, 60]
+    state = json.loads((tmp_path / "backup" / "step-00000060" / "state.json").read_text())
+    assert state["best_step_before_cooldown"] == 30
+    # Resumed from the backup's state: still known, so still kept.
+    resumed = checkpointer(state)
+    train(resumed, [2.8, 2.7], 6)
+    assert resumed.best_before_cooldown == 30
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [20, 30, 60, 70, 80]

@@ -58,3 +58,18 @@ def test_averaging_windows_follow_the_best_step():
     assert averaging_windows(steps, None, 3) == {"last": [800, 900, 1000]}
     # A run keeps what every window needs, and only that.
     assert steps_to_keep(steps, 400, 2) == {300, 400, 900, 1000}
+
+
+def test_a_run_with_a_cooldown_also_averages_around_its_best_step_before_it():
+    steps = list(range(100, 1100, 100))
+    # Best at the end of the cooldown (from step 800), best before it at 700.
+    assert averaging_windows(steps, 1000, 3, best_before_cooldown=700) == {
+        "last": [800, 900, 1000],
+        "around the best step before the cooldown": [600, 700, 800]}
+    assert steps_to_keep(steps, 1000, 3, best_before_cooldown=700) == {
+        600, 700, 800, 900, 1000}
+    # A window equal to another is not repeated; unknown (-1) adds none.
+    assert averaging_windows(steps, 1000, 3, best_before_cooldown=900) == {
+        "last": [800, 900, 1000]}
+    assert averaging_windows(steps, 1000, 3, best_before_cooldown=-1) == {
+        "last": [800, 900, 1000]}

@@ -36,3 +36,26 @@ def test_final_weights_follow_the_best_step_of_an_overfitting_run(tmp_path):
     # A run whose best step is its last: only the last checkpoints (and the best) compete.
     choice = choose_final_weights(model, tmp_path, best_step=1000, count=3, val_loss=val_loss)
     assert [c["name"] for c in choice["candidates"]] == ["last", "best checkpoint"]
+
+
+def test_a_cooled_down_run_also_weighs_the_average_before_its_cooldown(tmp_path):
+    """A run whose best validation step is its last (the cooldown's annealing) and whose best
+    before the cooldown was step 700: the average around 700 competes, and wins here."""
+    from keras_transformer.training.final_weights import choose_final_weights
+
+    model = _model_with_constant_weights(0.0)
+    for step in range(100, 1100, 100):
+        save_model_weights(_model_with_constant_weights(step / 100), checkpoint_path(tmp_path, step))
+
+    def val_loss(candidate):
+        return abs(float(candidate.get_weights()[0].flat[0]) - 7.0)
+
+    choice = choose_final_weights(model, tmp_path, best_step=1000, count=3, val_loss=val_loss,
+                                  best_before_cooldown=700)
+    assert [c["name"] for c in choice["candidates"]] == [
+        "last", "around the best step before the cooldown"]
+    assert choice["chosen"] == "around the best step before the cooldown"
+    assert choice["steps"] == [600, 700, 800]
+    assert "the average of 3 checkpoints around the best step before the cooldown" in (
+        choice["reason"])
+    np.testing.assert_allclose(model.get_weights()[0], 7.0)

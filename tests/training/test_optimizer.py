@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.training.optimizer import FusedAdam, NoamSchedule, paper_adam
+from keras_transformer.training.optimizer import (
+    FusedAdam,
+    NoamSchedule,
+    cooldown_start,
+    paper_adam,
+)
 
 D_MODEL, WARMUP = 512, 4000
 
@@ -297,3 +302,16 @@ def test_fused_adam_serialization_round_trip():
     assert type(clone) is FusedAdam
     assert (clone.beta_2, clone.amsgrad) == (0.9, True)
     assert float(keras.ops.convert_to_numpy(clone.learning_rate)) == pytest.approx(0.5)
+
+
+def test_the_cooldown_begins_where_cooldown_start_says_and_ends_at_zero():
+    schedule = NoamSchedule(64, warmup_steps=10, total_steps=100, cooldown=0.2)
+    plain = NoamSchedule(64, warmup_steps=10)
+    start = cooldown_start(100, 0.2)
+    assert start == pytest.approx(80.0)
+    assert rate(schedule, 80) == pytest.approx(rate(plain, 80), rel=1e-6)
+    assert rate(schedule, 90) == pytest.approx(0.5 * rate(plain, 90), rel=1e-5)
+    assert rate(schedule, 100) == 0.0
+    # The schedule's own arithmetic, not a rounded one: 90 * (1 - 0.7) is 62.99...
+    assert cooldown_start(90, 0.7) == 90 - 0.7 * 90 < 63
+    assert cooldown_start(100, 0.0) is None and cooldown_start(None, 0.2) is None
