@@ -160,7 +160,7 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
                                    "(multi30k: every 100 of 4,200)"),
         "validate_every": Choice(2 * every, "every second checkpoint"),
         "average_last": Choice(5, "the paper's 5 (6.1), chosen on val against the 5 around "
-                                          "the best step before the cooldown and the best"),
+                                  "the best step before the cooldown and the best"),
     }
 
 
