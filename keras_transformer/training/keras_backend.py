@@ -68,12 +68,19 @@ def finishing_command(config: Any, precision: str, trained_steps: int) -> list[s
     """The train command that finishes a JAX-trained run under TensorFlow: `config`'s
     (a `TrainConfig`; not imported here, which `training.config` imports) every setting as
     a flag, with `--backend tensorflow`, the training's precision and XLA (the run
-    directory's batches), `--max-steps` the steps trained (so that no other device count
-    or `--epochs` rounding can make it train on), without `--overwrite`. It finds the run
-    trained, so it averages, scores and exports. Print it with `shlex.join`.
+    directory's batches), without `--overwrite`. It finds the run trained, so it averages,
+    scores and exports. Print it with `shlex.join`.
+
+    `--max-steps` is the steps trained (so that no other device count or `--epochs`
+    rounding can make it train on), except with a `--cooldown`: that schedule depends on
+    the planned length, which the run's identity records (`run_directory.run_record`), so
+    the run's own `--max-steps`/`--epochs` stay, and a run stopped before them (patience,
+    `--max-minutes`) is found done by the stop its backup records.
     """
     changed = {"backend": "tensorflow", "overwrite": False, "precision": precision,
-               "jit_compile": "on", "max_steps": trained_steps, "epochs": None}
+               "jit_compile": "on"}
+    if not config.optimization.cooldown:
+        changed.update(max_steps=trained_steps, epochs=None)
     command = [sys.executable, "-m", "keras_transformer.train"]
     if config.recipe is not None:
         command += ["--recipe", config.recipe]
