@@ -349,7 +349,8 @@ class RunCheckpointer(keras.callbacks.Callback):
 
     def _remove_old_checkpoints(self) -> None:
         # The newest `keep`, and those around the best step so far (and before the
-        # cooldown): an early-stopped or cooled-down run may average those instead (keras_transformer.training.checkpoints.averaging_windows).
+        # cooldown): an early-stopped or cooled-down run may average those instead
+        # (keras_transformer.training.checkpoints.averaging_windows).
         found = dict(list_checkpoints(self.checkpoint_dir))
         for step in set(found) - steps_to_keep(list(found), self.best_step, self.keep,
                                                self.best_before_cooldown):
