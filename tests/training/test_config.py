@@ -137,7 +137,7 @@ def test_prepare_takes_its_share_of_the_settings_as_train_does():
 
 def test_the_back_translation_recipe_needs_its_synthetic_pairs():
     config = train_config(recipe="multi30k-bt", data="d", src="de", tgt="en", out="o")
-    assert (config.data.upsample_real, config.data.synthetic_tag) == (2, "<BT>")
+    assert (config.data.upsample_real, config.data.synthetic_tag) == (5, "<BT>")
     with pytest.raises(UsageError, match="--synthetic FOLDER"):
         config.check()
     train_config(recipe="multi30k-bt", data="d", src="de", tgt="en", out="o",
