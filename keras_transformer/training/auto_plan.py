@@ -36,10 +36,12 @@ from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
 # Measured on this project's runs (BENCHMARKS.md): a whole run averages 4,902 target tokens/s
 # where its step alone does 5,400-5,700 (run 7): validation, checkpoints, new batch shapes.
 RUN_OVERHEAD = 1.12
-# A beam-4 decoding of one val sentence costs ~0.015 of a 4,096-token training step of the
-# same model: 10.9 s for 1,014 sentences at 0.72 s a step (issue 29, AVX-512, bfloat16), 60 s
-# for 1,000 at ~4 s a step (AVX2, float32).
-DECODE_STEPS_PER_SENTENCE = 0.015
+# A beam-4 decoding of one val sentence costs ~0.015-0.020 of a 4,096-token training step of
+# the same model: 10.9 s for 1,014 sentences at 0.72 s a step (issue 29, the AMD EPYC,
+# bfloat16), 60 s for 1,000 at ~4 s a step (AVX2, float32), 0.020 on the Intel Xeon (AMX;
+# three `auto` runs' whole end, 170-255 s, against their measured steps; BENCHMARKS.md).
+# The larger, so that the end fits the budget on each machine.
+DECODE_STEPS_PER_SENTENCE = 0.020
 STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
 EXPORT_SECONDS = 45.0  # model.keras and the SavedModel (tracing its signatures)
 PREPARE_SECONDS = (10.0, 10.0)  # + per million words: the tokenizer and the token shards
@@ -290,13 +292,18 @@ def measure_run_step(trial: TrainConfig, stats: CorpusStatistics, precision: str
     return measure_step_seconds(model, trial.optimization, precision, jit, budget, pair_tokens)
 
 
-def _decode_units(beams: str, alphas: str, beam: int) -> float:
-    """Beam-4 decodings of val that choosing the weights (4 candidates) and the grid take; a
-    wider beam costs in proportion, a larger alpha ~50% more per unit (longer hypotheses:
-    10.9 s at alpha 0.6, 15.5 s at 1.4, issue 29)."""
-    grid = [(b, a) for b in comma_separated(beams, int) for a in comma_separated(alphas, float)]
-    return 4 * beam / 4 + sum(b / 4 * (1 + 0.5 * (a - 0.6)) for b, a in grid
-                              if (b, a) != (beam, 0.6))
+def _decoding_cost(beam: int, alpha: float) -> float:
+    """One decoding at `beam`, `alpha`, in beam-4, alpha-0.6 decodings: a wider beam costs in
+    proportion, a larger alpha ~50% more per unit (longer hypotheses: 10.9 s at alpha 0.6,
+    15.5 s at 1.4, issue 29)."""
+    return beam / 4 * (1 + 0.5 * (alpha - 0.6))
+
+
+def _decode_units(grid: list[tuple[int, float]], beam: int) -> float:
+    """Beam-4 decodings of val that choosing the weights (4 candidates, at `beam`, alpha
+    0.6) and the (beam, alpha) `grid` take."""
+    return 4 * _decoding_cost(beam, 0.6) + sum(
+        _decoding_cost(b, a) for b, a in grid if (b, a) != (beam, 0.6))
 
 
 def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: float,
@@ -307,12 +314,19 @@ def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: floa
     tests = sum(min(len(corpus), trial.data.test_limit or len(corpus))
                 for role, corpus in corpora.items()
                 if role == "test" or role.startswith("test:"))
-    units = _decode_units(beams or evaluation.val_beams, evaluation.val_alphas,
-                          evaluation.beam) if evaluation.choose_by == "bleu" else 1.0
+    if evaluation.choose_by == "bleu":
+        grid = [(b, a)
+                for b in comma_separated(beams or evaluation.val_beams, int) or [evaluation.beam]
+                for a in comma_separated(evaluation.val_alphas, float) or [evaluation.alpha]]
+        units = _decode_units(grid, evaluation.beam)
+        # The test decodes at the setting val chooses: planned at the grid's costliest.
+        test_units = max(_decoding_cost(b, a) for b, a in grid)
+    else:
+        units, test_units = 1.0, _decoding_cost(evaluation.beam, evaluation.alpha)
     # Per sentence, relative to a 4,096-token step of this model.
     tokens = trial.batches.budget(1, trial.data.max_length).tokens_per_step
     per_sentence = DECODE_STEPS_PER_SENTENCE * step_seconds * 4096 / tokens
-    return (units * val + 1.5 * tests) * per_sentence + EXPORT_SECONDS
+    return (units * val + test_units * tests) * per_sentence + EXPORT_SECONDS
 
 
 def _decoding_grid(trial: TrainConfig, corpora: dict[str, Any], budget_seconds: float,

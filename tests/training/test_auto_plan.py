@@ -173,8 +173,8 @@ def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_p
         run_step = seconds * auto_plan.RUN_OVERHEAD
         reason = plans[seconds].record["choices"]["max_steps"]["reason"]
         assert f"at {run_step:.3f} s a step" in reason  # the seconds, not the 40 passes
-        # The training fits the budget, less the start, the data and the end (~1 min here).
-        assert 6 * 60 < steps * run_step < 8 * 60 - auto_plan.STARTUP_SECONDS
+        # The training fits the budget, less the start, the data and the end (1-2 min here).
+        assert 5.5 * 60 < steps * run_step < 8 * 60 - auto_plan.STARTUP_SECONDS
         assert value(plans[seconds], "max_minutes") == round(1.25 * steps * run_step / 60, 1)
         assert plans[seconds].config.optimization.max_minutes == value(plans[seconds],
                                                                        "max_minutes")
@@ -200,6 +200,18 @@ def test_a_short_minutes_budget_shrinks_the_val_grid(corpus, tmp_path):
     # The full grid's end (~50 s of decoding estimates and export) is over 15% of 3 minutes.
     assert value(result, "val_beams") == "4"
     assert result.config.evaluation.val_beams == "4"
+
+
+@pytest.mark.parametrize("step_seconds, measured_end", [(0.443, 169.6), (0.730, 250.1)])
+def test_the_end_is_planned_as_long_as_it_took(step_seconds, measured_end):
+    # Two `--recipe auto --budget-minutes 60` runs on Multi30k de-en (the Intel Xeon,
+    # BENCHMARKS.md): their measured step and results.json's evaluation_seconds (weights
+    # chosen by val BLEU, the 4,6 x 0.6,1.0,1.4 grid on 1,014 val sentences, the 1,000 test
+    # sentences at the chosen beam 4 or 6 and alpha 1.4, the export). Planned 30% short before.
+    trial = train_config(recipe="multi30k", data="d", src="de", tgt="en", out="o")
+    corpora = {"val": range(1014), "test": range(1000)}
+    planned = auto_plan._end_seconds(trial, corpora, step_seconds)
+    assert measured_end * 0.95 < planned < measured_end * 1.1
 
 
 TINY = dict(src="xx", tgt="yy", preset="tiny", vocab_size=300, max_length=32,
