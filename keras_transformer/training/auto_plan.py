@@ -27,8 +27,12 @@ from keras_transformer import run_directory
 from keras_transformer.errors import UsageError
 from keras_transformer.training import auto_recipe as rules
 from keras_transformer.training.auto_recipe import Budget, Choice
-from keras_transformer.training.config import COMPONENTS, TrainConfig, config_from_flags
-from keras_transformer.training.config.fields import comma_separated
+from keras_transformer.training.config import (
+    COMPONENTS,
+    EvaluationConfig,
+    TrainConfig,
+    config_from_flags,
+)
 from keras_transformer.training.config.train import component_of
 from keras_transformer.training.precision import training_precision
 from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
@@ -37,10 +41,10 @@ from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics
 # where its step alone does 5,400-5,700 (run 7): validation, checkpoints, new batch shapes.
 RUN_OVERHEAD = 1.12
 # A beam-4 decoding of one val sentence costs ~0.015-0.020 of a 4,096-token training step of
-# the same model: 10.9 s for 1,014 sentences at 0.72 s a step (issue 29, the AMD EPYC,
+# the same model: 10.9 s for 1,014 sentences at 0.72 s a step (issue 29, the AVX-512 EPYC,
 # bfloat16), 60 s for 1,000 at ~4 s a step (AVX2, float32), 0.020 on the Intel Xeon (AMX;
-# three `auto` runs' whole end, 170-255 s, against their measured steps; BENCHMARKS.md).
-# The larger, so that the end fits the budget on each machine.
+# two idle `auto` runs' whole end, 170 and 250 s at steps of 0.443 and 0.730 s;
+# BENCHMARKS.md). The larger, so that the end fits the budget on each machine.
 DECODE_STEPS_PER_SENTENCE = 0.020
 STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
 EXPORT_SECONDS = 45.0  # model.keras and the SavedModel (tracing its signatures)
@@ -292,41 +296,46 @@ def measure_run_step(trial: TrainConfig, stats: CorpusStatistics, precision: str
     return measure_step_seconds(model, trial.optimization, precision, jit, budget, pair_tokens)
 
 
-def _decoding_cost(beam: int, alpha: float) -> float:
-    """One decoding at `beam`, `alpha`, in beam-4, alpha-0.6 decodings: a wider beam costs in
-    proportion, a larger alpha ~50% more per unit (longer hypotheses: 10.9 s at alpha 0.6,
-    15.5 s at 1.4, issue 29)."""
-    return beam / 4 * (1 + 0.5 * (alpha - 0.6))
+def _decoding_cost(beam: int, alpha: float | None) -> float:
+    """One decoding at `beam`, `alpha` (None: greedy), in beam-4, alpha-0.6 decodings: a wider
+    beam costs in proportion, a larger alpha ~50% more per unit (longer hypotheses: 10.9 s at
+    alpha 0.6, 15.5 s at 1.4, issue 29)."""
+    return beam / 4 * (1 + 0.5 * ((0.6 if alpha is None else alpha) - 0.6))
 
 
-def _decode_units(grid: list[tuple[int, float]], beam: int) -> float:
-    """Beam-4 decodings of val that choosing the weights (4 candidates, at `beam`, alpha
-    0.6) and the (beam, alpha) `grid` take."""
-    return 4 * _decoding_cost(beam, 0.6) + sum(
-        _decoding_cost(b, a) for b, a in grid if (b, a) != (beam, 0.6))
+def _decode_units(evaluation: EvaluationConfig, beams: str | None = None
+                  ) -> tuple[float, float]:
+    """(val, test): the beam-4, alpha-0.6 decodings per sentence that the run's end makes, as
+    `val_choice.choose_on_val_bleu` makes them: each weight candidate (up to 4) decoded at
+    --beam/--alpha, then the rest of the val grid (`beams` in place of --val-beams where the
+    plan shrank it), and the test at the setting val chooses, planned at the grid's
+    costliest. Choosing by loss decodes val once and the test at --beam/--alpha."""
+    from keras_transformer.training.val_choice import decoding_grid, setting_key
+
+    chosen = setting_key(evaluation.beam, evaluation.alpha)
+    if evaluation.choose_by != "bleu":
+        return 1.0, _decoding_cost(*chosen)
+    grid_beams, grid_alphas = decoding_grid(evaluation.beam, evaluation.alpha,
+                                            beams or evaluation.val_beams,
+                                            evaluation.val_alphas)
+    grid = {setting_key(b, a) for b in grid_beams for a in grid_alphas}
+    val = 4 * _decoding_cost(*chosen) + sum(_decoding_cost(*key) for key in grid
+                                            if key != chosen)
+    return val, max(_decoding_cost(*key) for key in grid | {chosen})
 
 
 def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: float,
                  beams: str | None = None) -> float:
     """The val choices, the test translations and the export, estimated."""
-    evaluation = trial.evaluation
     val = len(corpora["val"])
     tests = sum(min(len(corpus), trial.data.test_limit or len(corpus))
                 for role, corpus in corpora.items()
                 if role == "test" or role.startswith("test:"))
-    if evaluation.choose_by == "bleu":
-        grid = [(b, a)
-                for b in comma_separated(beams or evaluation.val_beams, int) or [evaluation.beam]
-                for a in comma_separated(evaluation.val_alphas, float) or [evaluation.alpha]]
-        units = _decode_units(grid, evaluation.beam)
-        # The test decodes at the setting val chooses: planned at the grid's costliest.
-        test_units = max(_decoding_cost(b, a) for b, a in grid)
-    else:
-        units, test_units = 1.0, _decoding_cost(evaluation.beam, evaluation.alpha)
+    val_units, test_units = _decode_units(trial.evaluation, beams)
     # Per sentence, relative to a 4,096-token step of this model.
     tokens = trial.batches.budget(1, trial.data.max_length).tokens_per_step
     per_sentence = DECODE_STEPS_PER_SENTENCE * step_seconds * 4096 / tokens
-    return (units * val + test_units * tests) * per_sentence + EXPORT_SECONDS
+    return (val_units * val + test_units * tests) * per_sentence + EXPORT_SECONDS
 
 
 def _decoding_grid(trial: TrainConfig, corpora: dict[str, Any], budget_seconds: float,

@@ -54,8 +54,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "multi30k": _MULTI30K,
     # Back-translation on Multi30k (issue 38; docs/back_translation.md gives the commands):
     # `multi30k` for the real and synthetic pairs together (--synthetic FOLDER from
-    # `python -m keras_transformer.back_translate`). Five times the pairs need more steps
-    # than 4,200 (issue 29: more data at the same steps lost on val), bounded so that the
+    # `python -m keras_transformer.back_translate`). Ten times the pairs a pass need more
+    # steps than 4,200 (issue 29: more data at the same steps lost on val), bounded so that the
     # reverse run, the back-translation and this run fit 2.5 hours on the AVX-512 machine;
     # the real pairs 5 times, about as many as task 2's 115k-141k synthetic ones (Edunov et
     # al. 2018: upsampling the real data helps when the synthetic data outnumber it; on val

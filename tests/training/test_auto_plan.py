@@ -197,7 +197,7 @@ def test_too_small_a_minutes_budget_is_refused_with_the_minimum(corpus, tmp_path
 def test_a_short_minutes_budget_shrinks_the_val_grid(corpus, tmp_path):
     result, _ = plan(tmp_path / "run", data=corpus, budget_minutes=3, assume_step_seconds=0.5,
                      **TOY)
-    # The full grid's end (~50 s of decoding estimates and export) is over 15% of 3 minutes.
+    # The full grid's end (~70 s of decoding estimates and export) is over 15% of 3 minutes.
     assert value(result, "val_beams") == "4"
     assert result.config.evaluation.val_beams == "4"
 
@@ -207,11 +207,29 @@ def test_the_end_is_planned_as_long_as_it_took(step_seconds, measured_end):
     # Two `--recipe auto --budget-minutes 60` runs on Multi30k de-en (the Intel Xeon,
     # BENCHMARKS.md): their measured step and results.json's evaluation_seconds (weights
     # chosen by val BLEU, the 4,6 x 0.6,1.0,1.4 grid on 1,014 val sentences, the 1,000 test
-    # sentences at the chosen beam 4 or 6 and alpha 1.4, the export). Planned 30% short before.
+    # sentences at the chosen beam 4 or 6 and alpha 1.4, the export). Planned ~20% short before.
     trial = train_config(recipe="multi30k", data="d", src="de", tgt="en", out="o")
     corpora = {"val": range(1014), "test": range(1000)}
     planned = auto_plan._end_seconds(trial, corpora, step_seconds)
     assert measured_end * 0.95 < planned < measured_end * 1.1
+
+
+def test_the_end_counts_the_decodings_the_run_makes():
+    def units(**evaluation):
+        return auto_plan._decode_units(train_config(
+            data="d", src="de", tgt="en", out="o", **evaluation).evaluation)
+
+    cost = auto_plan._decoding_cost
+    # By val BLEU without a grid: the weight candidates and the test at --beam/--alpha.
+    assert units(choose_by="bleu", beam=4, alpha=1.4) == (4 * cost(4, 1.4), cost(4, 1.4))
+    # The candidates' decodings count as the grid's (--beam, --alpha) point, whatever alpha;
+    # a repeated beam is one; greedy search ignores alpha.
+    val, test = units(choose_by="bleu", beam=4, alpha=1.0, val_beams="1,4,4",
+                      val_alphas="0.6,1.0")
+    assert val == pytest.approx(4 * cost(4, 1.0) + cost(1, None) + cost(4, 0.6))
+    assert test == cost(4, 1.0)
+    # By loss: val once, the test at --beam/--alpha.
+    assert units(choose_by="loss", beam=6, alpha=1.4) == (1.0, cost(6, 1.4))
 
 
 TINY = dict(src="xx", tgt="yy", preset="tiny", vocab_size=300, max_length=32,
