@@ -94,6 +94,7 @@ _EXPORTS = {
     "Translator": "keras_transformer.serving.translator",
     "load_translator": "keras_transformer.serving.translator",
     "score_translations": "keras_transformer.decoding.scoring",
+    "paired_bootstrap": "keras_transformer.decoding.scoring",
     "validation_loss": "keras_transformer.training.losses",
     "attention_weights": "keras_transformer.decoding.attention_plots",
     "plot_attention": "keras_transformer.decoding.attention_plots",

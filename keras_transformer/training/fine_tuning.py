@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 from keras_transformer import run_directory
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import TrainConfig
+
+_LOG = logging.getLogger("keras_transformer")
 
 # Settings of the model that may change between the two runs (no weight depends on them).
 UNCONSTRAINED = ("preset", "dropout", "attention_dropout")
@@ -163,29 +166,82 @@ def old_test_corpus(run: InitialRun, load: Callable[..., Any]):
 
 
 def evaluate_before_and_after(run: InitialRun, tokenizer, tests: dict[str, Any],
-                              score: Callable[[Any, Any, Any], dict[str, Any]],
-                              after: dict[str, Any]) -> dict[str, Any]:
+                              score: Callable[[Any, Any, Any, str], dict[str, Any]],
+                              after: dict[str, Any],
+                              compare: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+                              ) -> dict[str, Any]:
     """results.json's "fine_tuning": BLEU before (the initial run's weights) and after (this
-    run's final weights, `after`, by role) on each test split, and the difference.
+    run's final weights, `after`, by role) on each test split, the difference, and whether
+    the difference is more than chance (a paired bootstrap's p-value).
 
     Args:
         run: the initial run (its model.keras is the model before).
         tokenizer: the shared tokenizer.
         tests: {"test": this run's test split, "old_test": the initial run's}, each a
             `ParallelCorpus` or None.
-        score: `score(model, tokenizer, corpus) -> {"bleu", "chrf", ...}`.
-        after: {role: scores of the final model} for the roles already scored.
+        score: `score(model, tokenizer, corpus, name) -> {"bleu", "chrf", "hypotheses",
+            ...}`; `name` ("test.before", ...) names the translations where they are kept.
+        after: {role: scores of the final model, with its "hypotheses"} for the roles
+            already scored.
+        compare: `compare(before, after, references) -> {"p_value", ...}` on two lists of
+            translations (`decoding.scoring.paired_bootstrap`); None leaves the p-value out.
     """
     summary: dict[str, Any] = {"init_from": str(run.path)}
     model = saved_model(run)
     for role, corpus in tests.items():
         if corpus is None:
             continue
-        before = score(model, tokenizer, corpus)
-        entry = {"data": corpus.origin, "split": corpus.split, "sentences": len(corpus),
+        before = score(model, tokenizer, corpus, f"{role}.before")
+        entry = {"data": corpus.origin, "split": corpus.split,
+                 "sentences": len(before["hypotheses"]),
                  "bleu_before": before["bleu"], "chrf_before": before["chrf"]}
         if role in after:
             entry.update(bleu_after=after[role]["bleu"], chrf_after=after[role]["chrf"],
                          bleu_change=round(after[role]["bleu"] - before["bleu"], 2))
+            if compare is not None:
+                references = corpus.targets[:len(before["hypotheses"])]
+                entry["p_value"] = compare(before["hypotheses"], after[role]["hypotheses"],
+                                           references)["p_value"]
         summary[role] = entry
     return summary
+
+
+def before_and_after(config: TrainConfig, corpora: dict[str, Any],
+                      model, tokenizer, results: dict[str, Any],
+                      test_hypotheses: list[str] | None, beam: int,
+                      alpha: float) -> dict[str, Any]:
+    """A fine-tuned run's test scores before and after, on its test split and on the initial
+    run's (`keras_transformer.training.fine_tuning`), at this run's beam and alpha, with a
+    paired bootstrap's p-value for each change. The translations are kept beside
+    test.hyp.txt (`test.before.hyp.txt`, `old_test.hyp.txt`, `old_test.before.hyp.txt`) for
+    comparisons with other systems (`sacrebleu REF -i A B --paired-bs`)."""
+    # Here, not at the top: fit_jax imports this module on a machine that may lack TensorFlow.
+    from keras_transformer.decoding.scoring import paired_bootstrap, score_translations
+    from keras_transformer.decoding.translator import translate_texts
+    from pipelines import storage
+    from pipelines.corpora import load_corpus
+
+    run = Path(config.output.out)
+    initial = read_initial_run(config.model.init_from)
+    limit = config.data.test_limit
+
+    def score(candidate, tokenizer, corpus, name: str) -> dict[str, Any]:
+        count = min(limit or len(corpus), len(corpus))
+        _LOG.info(f"translating {count} {corpus.origin} [{corpus.split}] sentences "
+                  f"(fine-tuning: {name}) ...")
+        hypotheses = translate_texts(candidate, tokenizer, corpus.sources[:count],
+                                     beam_size=beam, alpha=alpha)
+        storage.write_text(run / f"{name}.hyp.txt",
+                           "".join(line + "\n" for line in hypotheses))
+        return {**score_translations(hypotheses, corpus.targets[:count]),
+                "hypotheses": hypotheses}
+
+    old_test = old_test_corpus(initial, load_corpus)
+    after = {}
+    if test_hypotheses is not None:
+        after["test"] = {**results, "hypotheses": test_hypotheses}
+    if old_test is not None:
+        after["old_test"] = score(model, tokenizer, old_test, "old_test")
+    return evaluate_before_and_after(
+        initial, tokenizer, {"test": corpora.get("test"), "old_test": old_test}, score, after,
+        compare=paired_bootstrap)

@@ -61,7 +61,6 @@ from keras_transformer.training.val_choice import (
 )
 from pipelines import storage
 from pipelines.batching import make_batches
-from pipelines.corpora import load_corpus
 from pipelines.tokenizer import SubwordTokenizer
 
 _LOG = logging.getLogger("keras_transformer")
@@ -365,6 +364,7 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     # The test split of the (first) source language, then of the others of a many-to-one run.
     tests = [(role, corpus) for role, corpus in corpora.items()
              if role == "test" or role.startswith("test:")]
+    test_hypotheses = None  # the test split's, for a fine-tuned run's before and after
     for role, test in tests:
         limit = config.data.test_limit or len(test)
         sources, references = test.sources[:limit], test.targets[:limit]
@@ -382,6 +382,7 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         if role == "test":
             results.update(scores, test_split=test.split, test_sentences=len(sources),
                            beam=beam, alpha=alpha)
+            test_hypotheses = hypotheses
     results["export"] = None
     if not config.output.no_export:
         base = (Path(config.output.export_dir) if config.output.export_dir
@@ -392,36 +393,12 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         read_validation_losses(run / run_directory.LOG_DIR / "metrics.csv"),
         cooldown_from=cooldown_start(outcome.get("max_steps"), config.optimization.cooldown))
     if config.model.init_from:
-        results["fine_tuning"] = _before_and_after(config, corpora, model, tokenizer,
-                                                   results, beam, alpha)
+        results["fine_tuning"] = fine_tuning.before_and_after(
+            config, corpora, model, tokenizer, results, test_hypotheses, beam, alpha)
     results["evaluation_seconds"] = round(time.perf_counter() - started, 1)
     storage.write_json(run / run_directory.RESULTS_FILE, results)
     summarize(run, results)
     return results
-
-
-def _before_and_after(config: TrainConfig, corpora: dict[str, Any],
-                      model, tokenizer, results: dict[str, Any], beam: int,
-                      alpha: float) -> dict[str, Any]:
-    """A fine-tuned run's test scores before and after, on its test split and on the initial
-    run's (`keras_transformer.training.fine_tuning`), at this run's beam and alpha."""
-    initial = fine_tuning.read_initial_run(config.model.init_from)
-    limit = config.data.test_limit
-
-    def score(candidate, tokenizer, corpus) -> dict[str, Any]:
-        count = limit or len(corpus)
-        _LOG.info(f"translating {min(count, len(corpus))} {corpus.origin} [{corpus.split}] "
-                  "sentences (fine-tuning: before/after) ...")
-        hypotheses = translate_texts(candidate, tokenizer, corpus.sources[:count],
-                                     beam_size=beam, alpha=alpha)
-        return score_translations(hypotheses, corpus.targets[:count])
-
-    old_test = fine_tuning.old_test_corpus(initial, load_corpus)
-    after = {"test": results} if "bleu" in results else {}
-    if old_test is not None:
-        after["old_test"] = score(model, tokenizer, old_test)
-    return fine_tuning.evaluate_before_and_after(
-        initial, tokenizer, {"test": corpora.get("test"), "old_test": old_test}, score, after)
 
 
 def summarize(run: Path, results: dict[str, Any]) -> None:

@@ -9,9 +9,11 @@ import json
 
 import pytest
 
+from keras_transformer.decoding.scoring import paired_bootstrap
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import train_config
 from keras_transformer.training.run import run_training
+from pipelines.corpora import load_corpus
 from tests.cli.test_train import write_toy_corpus
 
 TINY = dict(src="xx", tgt="yy", preset="tiny", vocab_size=300, tokens_per_batch=512,
@@ -82,6 +84,17 @@ def test_fine_tuning_starts_from_the_run_and_scores_both_domains_before_and_afte
         entry = tuning[role]
         assert entry["bleu_change"] == pytest.approx(
             entry["bleu_after"] - entry["bleu_before"], abs=0.01)
+        # The translations before and after are kept, one line a sentence, and the change's
+        # p-value is the paired bootstrap's on them (sacreBLEU's, as its command line gives).
+        after_file = out / ("test.hyp.txt" if role == "test" else f"{role}.hyp.txt")
+        before = (out / f"{role}.before.hyp.txt").read_text().splitlines()
+        after = after_file.read_text().splitlines()
+        assert len(before) == len(after) == entry["sentences"] == 10
+        corpus = load_corpus(entry["data"], entry["split"], "xx", "yy")
+        assert entry["p_value"] == pytest.approx(paired_bootstrap(
+            before, after, corpus.targets[:10])["p_value"])
+        assert paired_bootstrap(before, after, corpus.targets[:10])["bleu_system"] == (
+            pytest.approx(entry["bleu_after"]))
     assert tuning["test"]["bleu_after"] == results["bleu"]
     # The optimizer was fresh: the run counts its own 4 steps, not 8 + 4.
     assert results["steps"] == 4
