@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ VALIDATION = "validation"  # the manifest's key, and the name of its .ids/.lengt
 FORMAT_VERSION = 1
 DAMAGED_ADVICE = ("the prepared corpus is damaged (a failing disk or an incomplete copy); "
                   "prepare it again, or copy it again from where it was prepared")
+_LOG = logging.getLogger(__name__)
 _PIPELINE_SEED_STRIDE = 7919  # input pipeline i shuffles with seed + 7919 * i
 
 
@@ -235,17 +237,42 @@ class PreparedFolder:
     def check_source(self, split: CorpusSplit) -> None:
         """Raises :class:`PreparedError` if ``split``'s files changed since preparation.
 
-        Only the same files (same resolved paths) are compared, by size and modification
-        time: a copy of the corpus elsewhere, or on another machine, is not judged.
+        Only the same files (same resolved paths) are compared: a copy of the corpus
+        elsewhere, or on another machine, is not judged. A file of another size has changed.
+        A file of the same size with another modification time (data copied again, a
+        volume mounted again, ``touch``) is judged by its content: the split is read once
+        and its fingerprint compared with the one recorded at preparation; when they agree,
+        the new times are recorded, so the next check is cheap again.
         """
         recorded = self.manifest["corpus"]
         current = split.identity()
+        touched = []
         for old, new in zip(recorded.get("files", []), current.get("files", []), strict=False):
-            if old["path"] == new["path"] and (old["bytes"], old["mtime_ns"]) != (
-                    new["bytes"], new["mtime_ns"]):
+            if old["path"] != new["path"] or (
+                    old["bytes"], old["mtime_ns"]) == (new["bytes"], new["mtime_ns"]):
+                continue
+            if old["bytes"] != new["bytes"]:
                 raise PreparedError(
-                    f"{new['path']} changed since {self.directory} was prepared from it; "
-                    "delete the prepared directory to prepare again, or restore the file")
+                    f"{new['path']} changed since {self.directory} was prepared from it "
+                    f"({new['bytes']:,} bytes, then {old['bytes']:,}); delete the prepared "
+                    "directory to prepare again, or restore the file")
+            touched.append(new["path"])
+        if not touched:
+            return
+        from pipelines.corpora import corpus_fingerprint  # TensorFlow: only with a CorpusSplit
+
+        if corpus_fingerprint(split) != self.manifest["corpus_fingerprint"]:
+            raise PreparedError(
+                f"{touched[0]} changed since {self.directory} was prepared from it (same "
+                "size, other content); delete the prepared directory to prepare again, or "
+                "restore the file")
+        _LOG.info(f"{', '.join(touched)}: modified since {self.directory} was prepared, "
+                  "the same content; recording the new times")
+        self.manifest["corpus"] = current
+        try:
+            storage.write_json(self.directory / MANIFEST_FILE, self.manifest)
+        except OSError as error:  # a read-only --prepared folder: check again next time
+            _LOG.warning(f"could not record the new times in {self.directory} ({error})")
 
     def shard_batches(self, tokens_per_batch: int, max_length: int, num_replicas: int = 1,
                       bucket_boundaries: Sequence[int] | None = None) -> list[np.ndarray]:

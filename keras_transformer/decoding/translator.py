@@ -14,7 +14,9 @@ batch it lands in. Loading a run directory or a SavedModel: `serving.translator`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -32,6 +34,7 @@ from keras_transformer.decoding.batch_decoder import (
 from keras_transformer.decoding.long_inputs import Segment, segment_lines
 from keras_transformer.decoding.results import Translation, line_translation
 from keras_transformer.decoding.sampling import Sampling
+from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
@@ -39,9 +42,10 @@ from keras_transformer.decoding.search import (
     DEFAULT_MAX_INPUT_TOKENS,
     encode_texts,
 )
+from pipelines import storage
 
 __all__ = ["DecodingOptions", "decoding_options", "force_decode", "length_batches",
-           "translate_batch", "translate_texts"]
+           "translate_and_score", "translate_batch", "translate_texts"]
 
 Progress = Callable[[int], None]
 DEFAULT_BATCH_SIZE = 64
@@ -193,6 +197,21 @@ def translate_texts(
         extra_length=extra_length, max_input_tokens=max_input_tokens, progress=progress,
         jit_compile=jit_compile)]
 
+
+
+def translate_and_score(model, tokenizer, sources: Sequence[str], references: Sequence[str],
+                        hypotheses_file: str | os.PathLike, beam_size: int = DEFAULT_BEAM_SIZE,
+                        alpha: float = DEFAULT_ALPHA) -> tuple[list[str], dict[str, Any]]:
+    """Translates `sources` (`translate_texts`), keeps the translations in `hypotheses_file`
+    (one a line, written atomically, for `sacrebleu REF -i A B --paired-bs` later) and
+    scores them against `references` (`decoding.scoring.score_translations`).
+
+    Returns:
+        (translations, scores): one translation per source; {"bleu", "chrf", ...}.
+    """
+    hypotheses = translate_texts(model, tokenizer, sources, beam_size=beam_size, alpha=alpha)
+    storage.write_text(hypotheses_file, "".join(line + "\n" for line in hypotheses))
+    return hypotheses, score_translations(hypotheses, references)
 
 def force_decode(
     model,

@@ -168,7 +168,7 @@ def old_test_corpus(run: InitialRun, load: Callable[..., Any]):
 def evaluate_before_and_after(run: InitialRun, tokenizer, tests: dict[str, Any],
                               score: Callable[[Any, Any, Any, str], dict[str, Any]],
                               after: dict[str, Any],
-                              compare: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+                              compare: Callable[[Any, Any, Any], dict[str, Any]]
                               ) -> dict[str, Any]:
     """results.json's "fine_tuning": BLEU before (the initial run's weights) and after (this
     run's final weights, `after`, by role) on each test split, the difference, and whether
@@ -184,7 +184,7 @@ def evaluate_before_and_after(run: InitialRun, tokenizer, tests: dict[str, Any],
         after: {role: scores of the final model, with its "hypotheses"} for the roles
             already scored.
         compare: `compare(before, after, references) -> {"p_value", ...}` on two lists of
-            translations (`decoding.scoring.paired_bootstrap`); None leaves the p-value out.
+            translations (`decoding.scoring.paired_bootstrap`).
     """
     summary: dict[str, Any] = {"init_from": str(run.path)}
     model = saved_model(run)
@@ -198,10 +198,9 @@ def evaluate_before_and_after(run: InitialRun, tokenizer, tests: dict[str, Any],
         if role in after:
             entry.update(bleu_after=after[role]["bleu"], chrf_after=after[role]["chrf"],
                          bleu_change=round(after[role]["bleu"] - before["bleu"], 2))
-            if compare is not None:
-                references = corpus.targets[:len(before["hypotheses"])]
-                entry["p_value"] = compare(before["hypotheses"], after[role]["hypotheses"],
-                                           references)["p_value"]
+            references = corpus.targets[:len(before["hypotheses"])]
+            entry["p_value"] = compare(before["hypotheses"], after[role]["hypotheses"],
+                                       references)["p_value"]
         summary[role] = entry
     return summary
 
@@ -216,9 +215,8 @@ def before_and_after(config: TrainConfig, corpora: dict[str, Any],
     test.hyp.txt (`test.before.hyp.txt`, `old_test.hyp.txt`, `old_test.before.hyp.txt`) for
     comparisons with other systems (`sacrebleu REF -i A B --paired-bs`)."""
     # Here, not at the top: fit_jax imports this module on a machine that may lack TensorFlow.
-    from keras_transformer.decoding.scoring import paired_bootstrap, score_translations
-    from keras_transformer.decoding.translator import translate_texts
-    from pipelines import storage
+    from keras_transformer.decoding.scoring import paired_bootstrap
+    from keras_transformer.decoding.translator import translate_and_score
     from pipelines.corpora import load_corpus
 
     run = Path(config.output.out)
@@ -229,12 +227,10 @@ def before_and_after(config: TrainConfig, corpora: dict[str, Any],
         count = min(limit or len(corpus), len(corpus))
         _LOG.info(f"translating {count} {corpus.origin} [{corpus.split}] sentences "
                   f"(fine-tuning: {name}) ...")
-        hypotheses = translate_texts(candidate, tokenizer, corpus.sources[:count],
-                                     beam_size=beam, alpha=alpha)
-        storage.write_text(run / f"{name}.hyp.txt",
-                           "".join(line + "\n" for line in hypotheses))
-        return {**score_translations(hypotheses, corpus.targets[:count]),
-                "hypotheses": hypotheses}
+        hypotheses, scores = translate_and_score(
+            candidate, tokenizer, corpus.sources[:count], corpus.targets[:count],
+            run / f"{name}.hyp.txt", beam_size=beam, alpha=alpha)
+        return {**scores, "hypotheses": hypotheses}
 
     old_test = old_test_corpus(initial, load_corpus)
     after = {}

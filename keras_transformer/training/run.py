@@ -38,8 +38,7 @@ from keras_transformer.cluster.workers import (
     read_cluster,
     report_refusal,
 )
-from keras_transformer.decoding.scoring import score_translations
-from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.decoding.translator import translate_and_score
 from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.run_directory import run_record
@@ -370,12 +369,11 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         sources, references = test.sources[:limit], test.targets[:limit]
         _LOG.info(f"translating {len(sources)} {test.split} {test.src_lang} sentences (beam "
                   f"{beam}) ...")
-        hypotheses = translate_texts(model, tokenizer, sources, beam_size=beam, alpha=alpha)
-        scores = score_translations(hypotheses, references)
-        del scores["bleu_bp"]  # bleu_details has it ("BP = ...")
         suffix = "" if role == "test" else f".{test.src_lang}"
-        storage.write_text(run / f"test{suffix}.hyp.txt",
-                           "".join(line + "\n" for line in hypotheses))
+        hypotheses, scores = translate_and_score(model, tokenizer, sources, references,
+                                                 run / f"test{suffix}.hyp.txt",
+                                                 beam_size=beam, alpha=alpha)
+        del scores["bleu_bp"]  # bleu_details has it ("BP = ...")
         if len(tests) > 1:
             results.setdefault("test_by_source", {})[test.src_lang] = {
                 key: scores[key] for key in ("bleu", "chrf", "bleu_details")}

@@ -16,10 +16,12 @@ from keras_transformer.decoding.sampling import (
     line_seeds,
     line_seeds_numpy,
 )
+from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import greedy_search
 from keras_transformer.decoding.translator import (
     force_decode,
     length_batches,
+    translate_and_score,
     translate_batch,
     translate_texts,
 )
@@ -318,3 +320,16 @@ def test_extreme_temperatures_never_sample_forbidden_tokens(model, tokenizer, li
     assert np.isfinite(scores.numpy()).all() and (scores.numpy() > -1e6).all()
     with pytest.raises(ValueError, match="finite"):
         Sampling(temperature=float("inf"))
+
+
+def test_translate_and_score_keeps_the_translations_it_scores(model, tokenizer, lines,
+                                                             tmp_path):
+    """What a run's test split and a fine-tuning's before and after use: the file holds one
+    line per source, the same lines `translate_texts` gives, and the scores are theirs."""
+    references = make_sentences(len(lines[:6]), _ENGLISH, seed=12)
+    kept = tmp_path / "test.hyp.txt"
+    hypotheses, scores = translate_and_score(model, tokenizer, lines[:6], references, kept,
+                                             beam_size=2, alpha=ALPHA)
+    assert hypotheses == translate_texts(model, tokenizer, lines[:6], beam_size=2, alpha=ALPHA)
+    assert kept.read_text(encoding="utf-8").split("\n") == [*hypotheses, ""]
+    assert scores == score_translations(hypotheses, references)

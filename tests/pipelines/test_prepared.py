@@ -804,18 +804,42 @@ def test_check_settings_names_every_difference(prepared):
     assert "seed: prepared with 0, wanted 5" in message and "max_length" not in message
 
 
-def test_check_source_notices_a_changed_file(folder, prepared, tmp_path):
-    split = open_corpus(folder, "train", "de", "en")
-    prepared.check_source(split)
+def test_check_source_judges_a_changed_file_by_size_then_content(folder, prepared, tmp_path):
+    """A file of another size has changed; one only touched (copied again, a volume mounted
+    again) is read and kept when its content is the same, its new time then recorded."""
+    directory = tmp_path / "prep"  # a copy: this test writes the manifest
+    shutil.copytree(prepared.directory, directory)
+    prepared = PreparedCorpus.load(directory)
+
+    def check():
+        prepared.check_source(open_corpus(folder, "train", "de", "en"))
+
+    def recorded_time(path: Path) -> int:
+        files = json.loads((directory / MANIFEST_FILE).read_text())["corpus"]["files"]
+        return {file["path"]: file["mtime_ns"] for file in files}[str(path.resolve())]
+
+    check()
     path = folder / "train.en"
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    original, stat = path.read_bytes(), path.stat()
+    later = stat.st_mtime_ns + 10**9
     try:
-        with pytest.raises(PreparedError, match=r"train\.en changed since"):
-            prepared.check_source(open_corpus(folder, "train", "de", "en"))
+        os.utime(path, ns=(stat.st_atime_ns, later))
+        check()
+        assert recorded_time(path) == prepared.manifest["corpus"]["files"][1]["mtime_ns"] == later
+        lines = original.split(b"\n")
+        assert lines[0] != lines[1] and len(lines[0]) != len(lines[1])
+        path.write_bytes(b"\n".join([lines[1], lines[0], *lines[2:]]))  # the same size
+        with pytest.raises(PreparedError, match=r"train\.en changed since .*same size, other"):
+            check()
+        path.write_bytes(original + b"one more line\n")
+        with pytest.raises(PreparedError, match=r"train\.en changed since .*bytes, then"):
+            check()
+        assert recorded_time(path) == later  # refusals record nothing
     finally:
+        path.write_bytes(original)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    prepared.check_source(open_corpus(folder, "train", "de", "en"))
+    check()  # restored: the content is the one prepared
+    assert recorded_time(path) == stat.st_mtime_ns
     # A copy elsewhere (other paths) is not judged, even if it differs.
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)

@@ -91,10 +91,9 @@ def test_fine_tuning_starts_from_the_run_and_scores_both_domains_before_and_afte
         after = after_file.read_text().splitlines()
         assert len(before) == len(after) == entry["sentences"] == 10
         corpus = load_corpus(entry["data"], entry["split"], "xx", "yy")
-        assert entry["p_value"] == pytest.approx(paired_bootstrap(
-            before, after, corpus.targets[:10])["p_value"])
-        assert paired_bootstrap(before, after, corpus.targets[:10])["bleu_system"] == (
-            pytest.approx(entry["bleu_after"]))
+        bootstrap = paired_bootstrap(before, after, corpus.targets[:10])
+        assert entry["p_value"] == pytest.approx(bootstrap["p_value"])
+        assert bootstrap["bleu_system"] == pytest.approx(entry["bleu_after"])
     assert tuning["test"]["bleu_after"] == results["bleu"]
     # The optimizer was fresh: the run counts its own 4 steps, not 8 + 4.
     assert results["steps"] == 4
