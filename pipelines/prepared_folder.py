@@ -270,7 +270,7 @@ class PreparedFolder:
                   "the same content; recording the new times")
         self.manifest["corpus"] = current
         try:
-            storage.write_json(self.directory / MANIFEST_FILE, self.manifest)
+            storage.write_json(self.directory / MANIFEST_FILE, self.manifest, indent=1)
         except OSError as error:  # a read-only --prepared folder: check again next time
             _LOG.warning(f"could not record the new times in {self.directory} ({error})")
 

@@ -198,7 +198,6 @@ def translate_texts(
         jit_compile=jit_compile)]
 
 
-
 def translate_and_score(model, tokenizer, sources: Sequence[str], references: Sequence[str],
                         hypotheses_file: str | os.PathLike, beam_size: int = DEFAULT_BEAM_SIZE,
                         alpha: float = DEFAULT_ALPHA) -> tuple[list[str], dict[str, Any]]:
@@ -212,6 +211,7 @@ def translate_and_score(model, tokenizer, sources: Sequence[str], references: Se
     hypotheses = translate_texts(model, tokenizer, sources, beam_size=beam_size, alpha=alpha)
     storage.write_text(hypotheses_file, "".join(line + "\n" for line in hypotheses))
     return hypotheses, score_translations(hypotheses, references)
+
 
 def force_decode(
     model,
