@@ -389,7 +389,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
                                                    alpha=alpha))
     results["convergence"] = convergence_report(
         read_validation_losses(run / run_directory.LOG_DIR / "metrics.csv"),
-        cooldown_from=cooldown_start(outcome.get("max_steps"), config.optimization.cooldown))
+        cooldown_from=cooldown_start(outcome.get("max_steps"), config.optimization.cooldown),
+        candidates=results["averaging"]["candidates"])
     if config.model.init_from:
         results["fine_tuning"] = fine_tuning.before_and_after(
             config, corpora, model, tokenizer, results, test_hypotheses, beam, alpha)

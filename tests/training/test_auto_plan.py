@@ -30,8 +30,8 @@ RUN = dict(TOY, no_export=True, test_limit=10, beam=2, val_beams="2", val_alphas
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """3,000 toy pairs: enough that 40 passes (230 steps of 4,096 tokens) exceed a minutes
-    budget's steps here, so that the cap does not hide the arithmetic."""
+    """3,000 toy pairs: enough that `MAX_PASSES` (100 passes: ~575 steps of 4,096 tokens)
+    exceed a minutes budget's steps here, so that the cap does not hide the arithmetic."""
     return write_toy_corpus(tmp_path_factory.mktemp("auto_corpus") / "toy", pairs=3000)
 
 
@@ -151,10 +151,10 @@ def test_a_corpus_of_few_distinct_words_is_planned(corpus, tmp_path):
     assert value(result, "vocab_size") >= 300
 
 
-def test_a_steps_budget_beyond_40_passes_is_cut_to_them(corpus, tmp_path):
+def test_a_steps_budget_beyond_the_passes_cap_is_cut_to_it(corpus, tmp_path):
     result, _ = plan(tmp_path / "run", data=corpus, budget_steps=100_000, **TOY)
     steps = value(result, "max_steps")
-    assert steps < 100_000 and "40 passes over the data" in (
+    assert steps < 100_000 and f"{rules.MAX_PASSES} passes over the data" in (
         result.record["choices"]["max_steps"]["reason"])
     assert result.config.optimization.max_steps == steps
 
@@ -172,7 +172,7 @@ def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_p
     for seconds, steps in ((1.0, fast), (2.0, slow)):
         run_step = seconds * auto_plan.RUN_OVERHEAD
         reason = plans[seconds].record["choices"]["max_steps"]["reason"]
-        assert f"at {run_step:.3f} s a step" in reason  # the seconds, not the 40 passes
+        assert f"at {run_step:.3f} s a step" in reason  # the seconds, not the passes cap
         # The training fits the budget, less the start, the data and the end (1-2 min here).
         assert 5.5 * 60 < steps * run_step < 8 * 60 - auto_plan.STARTUP_SECONDS
         assert value(plans[seconds], "max_minutes") == round(1.25 * steps * run_step / 60, 1)

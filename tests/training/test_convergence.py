@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from keras_transformer.training import checkpoints, convergence
 from keras_transformer.training.convergence import convergence_report, read_validation_losses
 
 
@@ -45,6 +46,55 @@ def test_a_loss_that_rises_after_its_best_is_overfitting():
     assert report["verdict"] == "overfitting"
     assert report["best_step"] == 1000
     assert report["rise_since_best"] == pytest.approx((2.85 - 2.5) / 2.5, abs=1e-5)
+
+
+# The `multi30k` recipe on the first 10,000 Multi30k de-en pairs (BENCHMARKS.md, issue 39): val
+# loss best at step 1,400, 4.8% higher at 4,200; the final weights' candidates on val BLEU.
+TEN_K = [(200, 5.45), (400, 4.761), (600, 4.274), (800, 3.768), (1000, 3.578), (1200, 3.413),
+         (1400, 3.347), (1600, 3.35), (1800, 3.353), (2000, 3.378), (2200, 3.398),
+         (2400, 3.416), (2600, 3.441), (2800, 3.46), (3000, 3.463), (3200, 3.487),
+         (3400, 3.481), (3600, 3.507), (3800, 3.486), (4000, 3.477), (4200, 3.507)]
+
+
+def _candidates(last: float, near_best: tuple[float, ...] = (28.86, 31.07, 30.42)):
+    names = ("up to the best step", "around the best step", "best checkpoint")
+    return [{"name": "last", "steps": [3800, 3900, 4000, 4100, 4200], "val_bleu": last}] + [
+        {"name": name, "steps": [1400], "val_bleu": bleu}
+        for name, bleu in zip(names, near_best, strict=True)]
+
+
+def test_a_rising_loss_whose_last_checkpoints_win_on_bleu_is_not_called_overfitting():
+    report = convergence_report(TEN_K, candidates=_candidates(34.07))
+    assert report["verdict"] == "improving by BLEU"
+    assert (report["best_step"], report["val_bleu_last"], report["val_bleu_near_best"]) == (
+        1400, 34.07, 31.07)
+    assert report["rise_since_best"] == pytest.approx((3.507 - 3.347) / 3.347, abs=1e-5)
+    message = report["message"]
+    assert "34.07" in message and "31.07" in message and "1,400" in message
+    assert "would do as well" not in message and "fewer steps would have lost BLEU" in message
+
+
+@pytest.mark.parametrize("candidates", [
+    None,  # chosen on val loss: no BLEU to go by
+    _candidates(31.5),  # the last ahead by less than the margin: as good, in fewer steps
+    _candidates(29.0),  # the last behind
+    [{"name": "last", "steps": [4200], "val_loss": 3.5},
+     {"name": "best checkpoint", "steps": [1400], "val_loss": 3.3}],
+])
+def test_without_a_clear_bleu_win_of_the_last_checkpoints_a_rising_loss_is_overfitting(
+        candidates):
+    report = convergence_report(TEN_K, candidates=candidates)
+    assert report["verdict"] == "overfitting"
+    assert "fewer steps or more dropout would do as well" in report["message"]
+
+
+def test_bleu_never_overrules_a_verdict_other_than_overfitting():
+    assert convergence_report(EN_DE, candidates=_candidates(40.0))["verdict"] == (
+        "still improving")
+
+
+def test_the_last_candidates_name_is_the_checkpoints_modules():
+    assert convergence.LAST_CANDIDATE == checkpoints.LAST
 
 
 def test_the_projection_is_exact_for_a_geometric_decay():
