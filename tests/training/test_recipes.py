@@ -10,7 +10,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ import pytest
 
 from keras_transformer.flags import parse_train_args
 from keras_transformer.prepare import parse_args as parse_prepare_args
-from tests.cli.test_train import REPO, cli_env, write_toy_corpus
+from tests.cli.test_train import REPO, write_toy_corpus
 
 RECIPES_SECTION = "## The paper's recipes: WMT14 English→German"
 
@@ -33,21 +32,6 @@ def readme_recipes() -> list[list[str]]:
     return [shlex.split(command)[2:] for command in commands]
 
 
-# Runs train's main on a mocked tfds wmt14_translate/de-en (toy sentences under "de" and "en").
-MOCKED_TFDS = textwrap.dedent(
-    """
-    import json, sys
-    import tensorflow_datasets as tfds
-    from tests.pipelines.test_prepared import fake_tfds
-    from keras_transformer.train import main
-
-    examples = json.loads(sys.argv[1])
-    with tfds.testing.mock_data(as_dataset_fn=fake_tfds(examples, ("de", "en"))):
-        sys.exit(main(sys.argv[2:]))
-    """
-)
-
-
 def _from_toy(count: dict[str, int]) -> dict[str, list[dict[str, str]]]:
     """Toy en->de pairs (the CLI tests' toy language) for each tfds split."""
     with tempfile.TemporaryDirectory() as folder:
@@ -60,9 +44,17 @@ def _from_toy(count: dict[str, int]) -> dict[str, list[dict[str, str]]]:
                 "test": [{"en": s, "de": t} for s, t in read["test"]]}
 
 
-def _run_mocked(examples, argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", MOCKED_TFDS, json.dumps(examples), *argv],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+def _run_mocked(examples, argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """train's `main` on a mocked tfds wmt14_translate/de-en (toy sentences under "de" and
+    "en"), in this process (what `python -m` runs, without starting TensorFlow again), as a
+    finished process with its stdout and stderr."""
+    import tensorflow_datasets as tfds
+
+    from tests.pipelines.test_prepared import fake_tfds
+    from tests.training.test_resume import in_this_process
+
+    with tfds.testing.mock_data(as_dataset_fn=fake_tfds(examples, ("de", "en"))):
+        return in_this_process([sys.executable, "-m", "keras_transformer.train", *argv], capsys)
 
 
 def _relocated(argv: list[str], tmp_path) -> list[str]:
@@ -88,12 +80,13 @@ def test_the_readme_lists_prepare_base_and_big():
 
 
 @pytest.mark.slow
-def test_readme_wmt14_commands_pass_validation_and_make_the_papers_step(tmp_path):
+def test_readme_wmt14_commands_pass_validation_and_make_the_papers_step(tmp_path, capsys):
     examples = _from_toy({"train": 50})
     _, base, _, big = readme_recipes()
     for command, preset, steps, averaged in ((base, "base", 100000, 5),
                                              (big, "big", 300000, 20)):
-        result = _run_mocked(examples, [*_relocated(command[1:], tmp_path), "--dry-run"])
+        result = _run_mocked(examples, [*_relocated(command[1:], tmp_path), "--dry-run"],
+                             capsys)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         plan = result.stdout
         assert "dry run: nothing was created" in plan
@@ -107,7 +100,7 @@ def test_readme_wmt14_commands_pass_validation_and_make_the_papers_step(tmp_path
 
 
 @pytest.mark.slow
-def test_the_base_recipe_shrunk_to_tiny_trains_end_to_end_on_mocked_tfds(tmp_path):
+def test_the_base_recipe_shrunk_to_tiny_trains_end_to_end_on_mocked_tfds(tmp_path, capsys):
     examples = _from_toy({"train": 300})
     base = readme_recipes()[1]
     # Later flags win: the recipe, made tiny (4 steps of 4 accumulated micro-batches).
@@ -116,7 +109,7 @@ def test_the_base_recipe_shrunk_to_tiny_trains_end_to_end_on_mocked_tfds(tmp_pat
             "--checkpoint-every", "2", "--warmup-steps", "10", "--precision", "float32",
             "--beam", "2", "--no-export"]
     argv = [*_relocated(base[1:], tmp_path), *tiny]
-    result = _run_mocked(examples, argv)
+    result = _run_mocked(examples, argv, capsys)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     run = tmp_path / "runs_wmt14-en-de-base"
     results = json.loads((run / "results.json").read_text())
