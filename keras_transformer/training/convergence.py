@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from keras_transformer.training.checkpoints import LAST
+
 TOLERANCE = 0.005
 TAIL_FRACTION = 0.25  # the window judged against what came before it
 MIN_VALIDATIONS = 4
@@ -53,7 +55,6 @@ MIN_VALIDATIONS = 4
 # overrule its "overfitting": above the +/-0.3 that one val decoding setting moves BLEU by on
 # Multi30k (issue 29's grid), far below the 3.0 of the run that showed the need.
 BLEU_MARGIN = 0.5
-LAST_CANDIDATE = "last"  # final_weights.LAST, named here to keep this module import-free
 
 
 def read_validation_losses(metrics_csv: str | Path) -> list[tuple[int, float]]:
@@ -145,9 +146,9 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
                               f"is {100 * rise:.1f}% above its best, {best:.3f} at step "
                               f"{best_step:,}, but val BLEU kept rising: the last checkpoints "
                               f"score {last_bleu:.2f} against at most {near_best:.2f} near "
-                              "step {:,} (the label-smoothed loss grows as predictions "
-                              "sharpen); fewer steps would have lost BLEU, more may still "
-                              "help".format(best_step))
+                              f"step {best_step:,} (the label-smoothed loss grows as "
+                              "predictions sharpen); fewer steps would have lost BLEU, more "
+                              "may still help")
     elif overfit:
         report.update(verdict="overfitting", rise_since_best=round(rise, 5),
                       message=f"overfitting: val loss {final:.3f} at step {last_step:,} is "
@@ -185,11 +186,12 @@ def _last_beats_the_rest(candidates: Sequence[dict[str, Any]] | None
     """(the last checkpoints' val BLEU, the best other candidate's) where the last beat every
     other candidate (each near the loss's best step) by more than `BLEU_MARGIN`, else None."""
     scored = [c for c in candidates or () if c.get("val_bleu") is not None]
-    last = [c["val_bleu"] for c in scored if c["name"] == LAST_CANDIDATE]
-    others = [c["val_bleu"] for c in scored if c["name"] != LAST_CANDIDATE]
-    if not last or not others or last[0] <= max(others) + BLEU_MARGIN:
+    last = [c["val_bleu"] for c in scored if c["name"] == LAST]
+    others = [c["val_bleu"] for c in scored if c["name"] != LAST]
+    if not last or not others:
         return None
-    return last[0], max(others)
+    near_best = max(others)
+    return (last[0], near_best) if last[0] > near_best + BLEU_MARGIN else None
 
 
 def _projected_loss(history: Sequence[tuple[int, float]], step: int) -> float:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from keras_transformer.training import checkpoints, convergence
+from keras_transformer.training.checkpoints import LAST
 from keras_transformer.training.convergence import convergence_report, read_validation_losses
 
 
@@ -58,7 +58,7 @@ TEN_K = [(200, 5.45), (400, 4.761), (600, 4.274), (800, 3.768), (1000, 3.578), (
 
 def _candidates(last: float, near_best: tuple[float, ...] = (28.86, 31.07, 30.42)):
     names = ("up to the best step", "around the best step", "best checkpoint")
-    return [{"name": "last", "steps": [3800, 3900, 4000, 4100, 4200], "val_bleu": last}] + [
+    return [{"name": LAST, "steps": [3800, 3900, 4000, 4100, 4200], "val_bleu": last}] + [
         {"name": name, "steps": [1400], "val_bleu": bleu}
         for name, bleu in zip(names, near_best, strict=True)]
 
@@ -78,7 +78,7 @@ def test_a_rising_loss_whose_last_checkpoints_win_on_bleu_is_not_called_overfitt
     None,  # chosen on val loss: no BLEU to go by
     _candidates(31.5),  # the last ahead by less than the margin: as good, in fewer steps
     _candidates(29.0),  # the last behind
-    [{"name": "last", "steps": [4200], "val_loss": 3.5},
+    [{"name": LAST, "steps": [4200], "val_loss": 3.5},
      {"name": "best checkpoint", "steps": [1400], "val_loss": 3.3}],
 ])
 def test_without_a_clear_bleu_win_of_the_last_checkpoints_a_rising_loss_is_overfitting(
@@ -92,9 +92,6 @@ def test_bleu_never_overrules_a_verdict_other_than_overfitting():
     assert convergence_report(EN_DE, candidates=_candidates(40.0))["verdict"] == (
         "still improving")
 
-
-def test_the_last_candidates_name_is_the_checkpoints_modules():
-    assert convergence.LAST_CANDIDATE == checkpoints.LAST
 
 
 def test_the_projection_is_exact_for_a_geometric_decay():
