@@ -93,7 +93,6 @@ def test_bleu_never_overrules_a_verdict_other_than_overfitting():
         "still improving")
 
 
-
 def test_the_projection_is_exact_for_a_geometric_decay():
     # L(s) = 2.5 + 2 * 0.8 ** (s / 200): each interval's gain is 0.8 of the previous one.
     curve = [(s, 2.5 + 2 * 0.8 ** (s / 200)) for s in range(200, 2001, 200)]
