@@ -25,7 +25,11 @@ torch.compile). `warm` in the JSON says what each warmer did:
   tokens: compile time, median step time over `--steps` steps after a warm-up window (median of
   windows of `--window` steps), target tokens/s, TFLOP/s counted as `benchmarks/flops.py` does,
   and MFU against the device's spec (989 TFLOP/s bf16 dense for H100/H200 SXM) and against the
-  measured matmul peak.
+  measured matmul peak. Candidates for a faster step are written `preset+change` in
+  `--presets` (`STEP_CHANGES`: `flash`, attention by lengths through cuDNN's fused kernel;
+  `dropout0` and `vocab8000`, upper bounds on what cheaper masks and a fused output layer and
+  loss could save); `--profile` traces a preset's step after timing it and summarises where
+  the device time goes (`benchmarks/device_trace.py`).
 - `torch`: the PyTorch peer on the same shapes: `nn.Transformer(d, h, L, L, d_ff, dropout,
   batch_first=True)` with sinusoidal positions, one embedding tied to the output projection,
   padding and causal masks, bfloat16 autocast, fused Adam with the same schedule, label
@@ -80,6 +84,15 @@ WHEELS_DIR = "wheels"
 # Synthetic step shapes: (pairs, source tokens, target tokens, vocabulary), per preset.
 STEP_SHAPES = {"small": (256, 32, 32, 8000), "base": (400, 64, 64, 37000),
                "big": (400, 64, 64, 37000), "tiny": (8, 8, 8, 100)}
+# Candidates for a faster step (issue 36's aim), each a change to a preset's step, written
+# `preset+change+...` in --presets (the step part only): what each saves, measured alone.
+STEP_CHANGES = {
+    "flash": "attention by key lengths and a causal flag: cuDNN's fused kernel "
+             "(keras_transformer/layers/attention_jax.py)",
+    "dropout0": "no dropout (an upper bound on what cheaper dropout masks can save)",
+    "vocab8000": "an 8,000 vocabulary (an upper bound on what a fused output layer and loss "
+                 "can save; MFU counts the smaller output layer's FLOPs)",
+}
 # The parts, in the order they run (the agreement first: it is the check with a bar).
 PARTS = ("agreement", "step", "torch")
 # Shares of the time budget; time a part leaves goes to the later ones.
@@ -382,8 +395,26 @@ class _EpochTimes:
         return EpochTimes()
 
 
-def keras_step(preset: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """The trainer step of `preset` on synthetic tokens, trained with `model.fit`."""
+def step_variant(name: str) -> tuple[str, list[str]]:
+    """`preset+change+...` (see `STEP_CHANGES`) as (preset, changes).
+
+    Raises:
+        ValueError: an unknown preset or change.
+    """
+    preset, *changes = name.split("+")
+    if preset not in STEP_SHAPES:
+        raise ValueError(f"unknown preset {preset!r} in {name!r}: one of "
+                         f"{', '.join(STEP_SHAPES)}")
+    unknown = [change for change in changes if change not in STEP_CHANGES]
+    if unknown:
+        raise ValueError(f"unknown change(s) {', '.join(unknown)} in {name!r}: of "
+                         f"{', '.join(STEP_CHANGES)}")
+    return preset, changes
+
+
+def keras_step(name: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The trainer step of preset (or variant: `step_variant`) `name` on synthetic tokens,
+    trained with `model.fit`."""
     import keras
 
     from keras_transformer.training.losses import (
@@ -394,11 +425,16 @@ def keras_step(preset: str, settings: dict[str, Any]) -> dict[str, Any]:
     from keras_transformer.training.optimizer import paper_adam
     from keras_transformer.training.trainer_model import build_trainer
 
+    preset, changes = step_variant(name)
     batch, source_length, target_length, vocab_size = STEP_SHAPES[preset]
+    if "vocab8000" in changes:
+        vocab_size = 8000
     precision, window = settings["precision"], settings["window"]
     windows = max(1, settings["steps"] // window)
     keras.utils.set_random_seed(0)
-    model = build_trainer(preset, vocab_size=vocab_size, dtype=precision)
+    model = build_trainer(preset, vocab_size=vocab_size, dtype=precision,
+                          flash_attention="flash" in changes,
+                          **({"dropout": 0.0} if "dropout0" in changes else {}))
     model.compile(optimizer=paper_adam(model.config.d_model),
                   loss=GlobalTokenCrossEntropy(0.1),
                   metrics=[MaskedAccuracy(), Perplexity()], accumulate_steps=1)
@@ -420,8 +456,8 @@ def keras_step(preset: str, settings: dict[str, Any]) -> dict[str, Any]:
     ends = [start, *timer.times]
     window_seconds = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # after warm-up
     flops = step_flops(preset, batch, source_length, target_length, vocab_size)
-    result = {"preset": preset, "batch": batch, "source_length": source_length,
-              "target_length": target_length, "vocab_size": vocab_size,
+    result = {"preset": preset, "changes": changes, "batch": batch,
+              "source_length": source_length, "target_length": target_length, "vocab_size": vocab_size,
               "parameters": int(model.count_params()), "dropout": model.config.dropout,
               "precision": precision, "first_step_seconds": compile_seconds,
               "warmup_window_seconds": ends[1] - ends[0], "window": window,
@@ -429,9 +465,32 @@ def keras_step(preset: str, settings: dict[str, Any]) -> dict[str, Any]:
               **_timing(window_seconds, window, batch, target_length, flops),
               "loss_first_step": first.losses[-1], "loss_last_window": timer.losses[-1],
               "finite": all(math.isfinite(v) for v in [*first.losses, *timer.losses])}
+    if name in settings.get("profile", ()):
+        result["device_trace"] = profiled_steps(model, forever(), name, settings)
     del model
     keras.backend.clear_session()
     return result
+
+
+def profiled_steps(model, batches, name: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings["profile_steps"]` more steps of a compiled model under JAX's profiler: where
+    the device time goes (`benchmarks/device_trace.py`). The trace stays in the log folder
+    (`trace_<name>/`) for TensorBoard or Perfetto when it is small enough to bring back."""
+    import jax
+
+    from benchmarks.device_trace import summarise
+
+    folder = Path(settings["trace_dir"]) / f"trace_{name.replace('+', '_')}"
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        model.fit(batches, steps_per_epoch=settings["profile_steps"], epochs=1, verbose=0,
+                  shuffle=False)
+    summary = summarise(folder, top=settings["profile_top"])
+    summary["steps"] = settings["profile_steps"]
+    for path in folder.rglob("*"):  # bring back the Perfetto trace only, if small
+        if path.is_file() and (not path.name.startswith("perfetto_trace")
+                               or path.stat().st_size > settings["profile_keep_bytes"]):
+            path.unlink()
+    return summary
 
 
 def step_worker(settings: dict[str, Any], deadline: float, results: Results) -> None:
@@ -617,11 +676,12 @@ def torch_plan(settings: dict[str, Any]) -> list[tuple[str, str]]:
     """(mode, preset) in the order the peer runs them: preset by preset, in the order of
     `torch_compile_presets` (base first: the issue's comparison), each eager then compiled,
     so that a budget that runs out leaves the least important ones (small) out."""
+    plain = [p for p in settings["presets"] if "+" not in p]  # candidates are ours alone
     order = [*settings["torch_compile_presets"],
-             *(p for p in settings["presets"] if p not in settings["torch_compile_presets"])]
+             *(p for p in plain if p not in settings["torch_compile_presets"])]
     plan = []
     for preset in order:
-        if "eager" in settings["torch_modes"] and preset in settings["presets"]:
+        if "eager" in settings["torch_modes"] and preset in plain:
             plan.append(("eager", preset))
         if "compile" in settings["torch_modes"] and preset in settings["torch_compile_presets"]:
             plan.append(("compile", preset))
@@ -822,7 +882,7 @@ def warm_worker(settings: dict[str, Any], deadline: float, results: Results) -> 
                 wanted.discard(_shape_key(features))
                 model.train_on_batch(features, labels)
     elif task["kind"] == "keras":
-        keras_step(task["preset"], dict(settings, steps=1, window=1))
+        keras_step(task["preset"], dict(settings, steps=1, window=1, profile=[]))
     elif task["kind"] == "torch":
         import torch
 
@@ -999,6 +1059,7 @@ def orchestrate(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str,
         parts.remove("agreement")
     log_dir = Path(args.log_dir or os.environ.get("OUT") or tempfile.mkdtemp())
     log_dir.mkdir(parents=True, exist_ok=True)
+    settings["trace_dir"] = str(log_dir)
     merged: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
         if settings["warm"] and parts:
@@ -1095,8 +1156,14 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
 
     presets = listed(args.presets, "tiny" if quick else "small,base,big")
     for preset in presets:
-        if preset not in STEP_SHAPES:
-            raise SystemExit(f"unknown preset {preset!r}: one of {', '.join(STEP_SHAPES)}")
+        try:
+            step_variant(preset)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+    unknown = [name for name in listed(args.profile, "") if name not in presets]
+    if unknown:
+        raise SystemExit(f"--profile {','.join(unknown)}: not in --presets "
+                         f"({','.join(presets)})")
     parts = listed(args.parts, ",".join(PARTS))
     for part in parts:
         if part not in PARTS:
@@ -1115,9 +1182,14 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
         "agreement_xla_flags": args.agreement_xla_flags,
         "agreement_precisions": listed(args.agreement_precision,
                                        "float32" if quick else "mixed_bfloat16"),
+        "profile": listed(args.profile, ""),
+        "profile_steps": 3 if quick else 5,
+        "profile_top": 12,
+        "profile_keep_bytes": 8 << 20,
         "torch_modes": listed(args.torch_modes, "eager,compile"),
         "torch_compile_presets": listed(args.torch_compile_presets,
-                                        ",".join(presets) if quick else "base,big,small"),
+                                        ",".join(p for p in presets if "+" not in p)
+                                        if quick else "base,big,small"),
         "budget": args.budget if args.budget is not None else (1800.0 if quick else 265.0),
         "warm": not args.no_warm,
         "warm_share": WARM_SHARE,
@@ -1150,7 +1222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", help=f"comma-separated, of {','.join(PARTS)} (default all)")
-    parser.add_argument("--presets", help="step and peer presets (default small,base,big)")
+    parser.add_argument("--presets", help="step and peer presets (default small,base,big); "
+                        "`preset+change` adds a candidate to the step part: changes "
+                        f"{', '.join(STEP_CHANGES)}")
     parser.add_argument("--steps", type=int, help="timed steps per preset (default 60)")
     parser.add_argument("--window", type=int, help="steps per timing window (default 20)")
     parser.add_argument("--precision", default="mixed_bfloat16", help="of the Keras step")
@@ -1163,6 +1237,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agreement-xla-flags", default="--xla_gpu_autotune_level=0",
                         help="XLA_FLAGS added for the agreement only (default: no GEMM "
                              "autotuning, to compile its 10 batch shapes faster; '' for none)")
+    parser.add_argument("--profile", help="step presets (or candidates) whose step to trace "
+                        "with JAX's profiler after timing it: the device time by kind of work "
+                        "and the longest ops (benchmarks/device_trace.py); default none")
     parser.add_argument("--torch-modes", help="eager,compile (default both)")
     parser.add_argument("--torch-compile-presets",
                         help="presets of torch.compile, in order (default base,big,small)")

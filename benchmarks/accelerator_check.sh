@@ -19,6 +19,12 @@
 #    Arguments go to the Python check, e.g. only some parts, or fewer steps:
 #        bash benchmarks/accelerator_check.sh --parts step,agreement --steps 40
 #        bash benchmarks/accelerator_check.sh --parts torch --presets base,big --budget 200
+#    The candidates for a faster step (issue 36's aim), each measured alone, and where the
+#    device time goes (a JAX profiler trace of 5 steps, summarised by kind of work), with
+#    timeout_s 330:
+#        bash benchmarks/accelerator_check.sh --parts step --budget 280 \
+#            --presets base,base+flash,base+dropout0,base+vocab8000,big,big+flash \
+#            --profile base,base+flash
 # 3. Here, on a CPU, a test of every code path (tiny shapes, 20 float32 agreement steps):
 #        bash benchmarks/accelerator_check.sh --quick
 #

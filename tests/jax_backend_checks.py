@@ -233,6 +233,76 @@ def check_dropout() -> dict:
                 np.asarray(layer(inputs, training=False)), np.asarray(inputs)))}
 
 
+def check_flash_attention(work: Path) -> dict:
+    """The parity model with flash attention (lengths and a causal flag, JAX's XLA
+    reference of cuDNN's call on a CPU) against its explicit masks, on the same real val
+    batch and weights: logits, and the gradient of a label-smoothed loss on them. Two rows
+    are padding alone (length 0), as static-shape batches may hold."""
+    import jax
+
+    from keras_transformer.layers.attention import MultiHeadAttention
+    from keras_transformer.layers.attention_jax import attention_implementation
+    from keras_transformer.model.transformer import build_transformer
+    from keras_transformer.training.losses import LabelSmoothedCrossEntropy
+
+    inputs = np.load(work / "parity_inputs.npz")
+    config = json.loads(str(inputs["config"]))
+    source, target = inputs["source"].copy(), inputs["target"].copy()
+    source[-2:], target[-2:] = 0, 0
+    features = {"source": source, "target": target[:, :-1]}
+    labels = target[:, 1:]
+    loss = LabelSmoothedCrossEntropy(0.1)
+    results = {}
+    for flash in (False, True):
+        model = build_transformer(**dict(config), flash_attention=flash)
+        model.load_weights(work / "parity.weights.h5")
+        layer = model.encoder_layers[0].self_attention
+        variables = [v.value for v in model.trainable_variables]
+
+        def loss_of(values, model=model):
+            logits, _ = model.stateless_call(values, [v.value for v in
+                                                      model.non_trainable_variables],
+                                             features, training=False)
+            return loss(labels, logits), logits
+
+        (value, logits), grads = jax.jit(jax.value_and_grad(loss_of, has_aux=True))(
+            variables)
+        results["paths"] = [v.path for v in model.trainable_variables]
+        results[flash] = {"uses_flash": bool(layer._use_flash),
+                          "logits": np.asarray(logits, "float64"),
+                          "grads": [np.asarray(g, "float64") for g in grads],
+                          "loss": float(value)}
+    try:
+        MultiHeadAttention(32, 4, dropout=0.1, flash_attention=True)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    plain, flash = results[False], results[True]
+    real = labels != 0
+    logit_scale = np.max(np.abs(plain["logits"]))
+    kept_rows = slice(0, -2)  # outputs of the padding-only rows are padding's, read by no one
+    return {
+        "implementation_on_cpu": attention_implementation("bfloat16"),
+        "uses_flash": [plain["uses_flash"], flash["uses_flash"]],
+        "logits_max_relative_difference": float(np.max(np.abs(
+            plain["logits"][kept_rows] - flash["logits"][kept_rows])) / logit_scale),
+        "loss": [plain["loss"], flash["loss"]],
+        # Key biases have a zero true gradient (softmax ignores a constant added to a row's
+        # scores): theirs is round-off in either path, compared with the largest gradient.
+        "gradient_max_relative_difference": max(
+            float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
+            for path, a, b in zip(results["paths"], plain["grads"], flash["grads"],
+                                  strict=True) if not path.endswith("key/bias")),
+        "key_bias_gradient_to_largest": max(
+            float(np.max(np.abs(g))) for path, g in zip(results["paths"], flash["grads"],
+                                                        strict=True)
+            if path.endswith("key/bias")) / max(float(np.max(np.abs(g)))
+                                               for g in plain["grads"]),
+        "refusal_with_attention_dropout": refused,
+        "gradients_finite": bool(all(np.all(np.isfinite(g)) for g in flash["grads"])),
+        "real_target_tokens": int(real.sum())}
+
+
 def main(work: Path) -> None:
     results, timings = {}, {}
 
@@ -248,6 +318,7 @@ def main(work: Path) -> None:
     results["data_parallel"] = timed("data_parallel", lambda: check_data_parallel(accumulated))
     results["loss_scaling"] = timed("loss_scaling", check_loss_scaling)
     results["dropout"] = timed("dropout", check_dropout)
+    results["flash_attention"] = timed("flash_attention", lambda: check_flash_attention(work))
     results["seconds"] = timings
     (work / "jax_results.json").write_text(json.dumps(results, indent=1))
 

@@ -120,3 +120,16 @@ def test_dropout_draws_16_bit_masks_with_keras_distribution_under_jax(jax_result
     assert dropout["bfloat16_dtype"] == "bfloat16"
     assert dropout["devices"] == 2 and dropout["collectives_when_split_by_rows"] == 0
     assert dropout["identity_when_not_training"]
+
+
+def test_flash_attention_by_lengths_matches_the_explicit_masks_under_jax(jax_results):
+    flash = jax_results["flash_attention"]
+    assert flash["implementation_on_cpu"] == "xla"  # cuDNN's only on an NVIDIA GPU
+    assert flash["uses_flash"] == [False, True]
+    # float32: the same sums in another order (the padding masked by lengths, not a mask).
+    assert flash["logits_max_relative_difference"] <= 1e-5
+    assert abs(flash["loss"][0] - flash["loss"][1]) <= 1e-5 * abs(flash["loss"][0])
+    assert flash["gradient_max_relative_difference"] <= 1e-4
+    assert flash["key_bias_gradient_to_largest"] <= 1e-5  # zero, but for round-off
+    assert flash["gradients_finite"] and flash["real_target_tokens"] > 0
+    assert "attention dropout 0.1" in flash["refusal_with_attention_dropout"]

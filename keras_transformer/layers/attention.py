@@ -7,9 +7,11 @@ key_dim=d_model, which makes every head full width: h times the paper's cost. We
 Masks are explicit boolean tensors (True = may attend), never Keras masks: the Keras mask
 machinery adds work to every layer and hides where a mask comes from.
 
-Written with `keras.ops`, so it runs on every Keras backend. One piece is TensorFlow's alone:
+Written with `keras.ops`, so it runs on every Keras backend. Two pieces are one backend's:
 `attend_one_query`, the decoding step's attention by products and sums (decoding and export
-stay TensorFlow), chosen only under the TensorFlow backend.
+stay TensorFlow), chosen only under the TensorFlow backend; and under JAX, flash attention
+(`flash_attention=True`): the padding mask passed as key lengths and the causal mask as a flag
+to cuDNN's fused kernel (`attention_jax.py`).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def attend_one_query(query_heads, key_heads, value_heads, attention_mask=None):
 # keras.layers.MultiHeadAttention options that this layer's own attention does not implement,
 # with the values that mean "not used" (the first is keras' default).
 _UNSUPPORTED_OPTIONS = {"attention_axes": (None,), "sliding_window": (None,),
-                        "flash_attention": (None, False), "use_gate": (False,)}
+                        "use_gate": (False,)}
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -115,9 +117,17 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         d_model: model width; the output has this size too.
         num_heads: number of heads h; must divide `d_model`.
         dropout: dropout rate on the attention weights (the paper uses none; 0.0).
+        flash_attention: under the JAX backend, attend by cuDNN's fused kernel on an NVIDIA
+            GPU (the XLA reference of the same function elsewhere) when the mask allows it:
+            none, a key-padding mask (batch, 1, source_length) of right-padded keys, or
+            `use_causal_mask`; other masks, attention weights asked for and a cache take the
+            explicit path. Off by default (Keras' global `enable_flash_attention()` is on
+            unless disabled, and this path is not yet measured faster on a GPU). A computation
+            choice, not saved in `get_config()`; refused under another backend, and with
+            attention dropout.
         **kwargs: passed to `keras.layers.MultiHeadAttention` (e.g. `kernel_initializer`);
-            `attention_axes`, `sliding_window`, `flash_attention` and `use_gate` are refused
-            (ValueError) rather than ignored.
+            `attention_axes`, `sliding_window` and `use_gate` are refused (ValueError) rather
+            than ignored.
 
     Call arguments:
         query: (batch, target_length, d_model).
@@ -125,6 +135,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         key: optional (batch, source_length, d_model).
         attention_mask: optional bool, broadcastable to (batch, target_length, source_length);
             True where attention is allowed.
+        use_causal_mask: also mask keys after each query's position (the decoder's
+            self-attention in training; target_length == source_length).
         cache: optional pair (keys, values), each (batch, num_heads, cache_length, d_k):
             projected keys and values, head-major so that attending is a plain batched
             matmul. With `cache_update_index=None` the cache is used as is (e.g. precomputed
@@ -145,7 +157,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         then the updated cache if a cache was given.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, **kwargs):
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0,
+                 flash_attention: bool = False, **kwargs):
         if d_model % num_heads:
             raise ValueError(
                 f"d_model={d_model} is not divisible by num_heads={num_heads}: the paper splits "
@@ -165,10 +178,21 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 "also give decoding's attention weights), and these keras.layers."
                 "MultiHeadAttention options would be silently ignored. Use keras.layers."
                 "MultiHeadAttention for them.")
+        if flash_attention and keras.backend.backend() != "jax":
+            raise ValueError(
+                "flash_attention=True is the JAX backend's (cuDNN's fused attention on NVIDIA "
+                f"GPUs); the Keras backend here is {keras.backend.backend()!r}. Set "
+                "KERAS_BACKEND=jax, or leave flash_attention unset.")
+        if flash_attention and dropout:
+            raise ValueError(
+                f"flash_attention=True with attention dropout {dropout}: the fused kernel "
+                "never forms the attention weights that dropout would drop. Set dropout=0.0 "
+                "(the paper's: it drops the sub-layers' outputs, not the weights).")
         super().__init__(
             num_heads=num_heads, key_dim=d_model // num_heads, dropout=dropout, **kwargs
         )
         self.d_model = d_model
+        self._use_flash = bool(flash_attention)
 
     def call(
         self,
@@ -181,7 +205,15 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return_attention_scores: bool = False,
         training=None,
         grow_cache: bool = False,
+        use_causal_mask: bool = False,
     ):
+        if (self._use_flash and cache is None and not return_attention_scores
+                and (attention_mask is None or attention_mask.shape[1] == 1)):
+            return self._flash_attend(query, value, key, attention_mask, use_causal_mask)
+        if use_causal_mask:
+            causal = causal_mask(ops.shape(query)[1], ops.shape(value)[1])
+            attention_mask = (causal if attention_mask is None
+                              else ops.logical_and(attention_mask, causal))
         if cache is not None and cache_update_index is None:
             (query_heads,) = self._project(query, self._query_dense)
             key_heads, value_heads = cache
@@ -214,6 +246,26 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         if cache is not None:
             outputs += (cache,)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def _flash_attend(self, query, value, key, key_mask, causal: bool):
+        """`call` by `attention_jax.attend_by_lengths`: projections in JAX's (batch, length,
+        heads, d_k) layout, so neither they nor the result are transposed."""
+        from keras_transformer.layers import attention_jax
+
+        if key is None and value is query:
+            query_heads, key_heads, value_heads = self._project(
+                query, self._query_dense, self._key_dense, self._value_dense, head_major=False)
+        else:
+            (query_heads,) = self._project(query, self._query_dense, head_major=False)
+            if key is None:
+                key_heads, value_heads = self._project(
+                    value, self._key_dense, self._value_dense, head_major=False)
+            else:
+                (key_heads,) = self._project(key, self._key_dense, head_major=False)
+                (value_heads,) = self._project(value, self._value_dense, head_major=False)
+        attended = attention_jax.attend_by_lengths(
+            query_heads, key_heads, value_heads, key_mask=key_mask, causal=causal)
+        return self._merge_heads(attended, head_major=False)
 
     def _attend(self, query_heads, key_heads, value_heads, attention_mask, training):
         """3.2.1 Scaled dot-product attention, head-major: softmax(Q K^T / sqrt(d_k)) V.
@@ -252,7 +304,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                                              attention_mask)
         return attended[:, :, None, :], weights[:, :, None, :]
 
-    def _project(self, inputs, *dense_layers):
+    def _project(self, inputs, *dense_layers, head_major: bool = True):
         """Applies the head projections `dense_layers` to `inputs` in one 2-D matmul.
 
         The weights stay those of keras' EinsumDense layers ((d_model, heads, d_k) kernels), but
@@ -261,7 +313,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         and one MatMul for Q, K and V together avoids both.
 
         Returns:
-            one head-major (batch, num_heads, length, d_k) tensor per layer.
+            one head-major (batch, num_heads, length, d_k) tensor per layer; with
+            `head_major=False`, (batch, length, num_heads, d_k).
         """
         kernel, bias = self.projection_weights(*dense_layers)
         shape = ops.shape(inputs)
@@ -275,6 +328,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             return ops.unstack(outputs, len(dense_layers), axis=1)
         outputs = ops.reshape(
             outputs, (shape[0], shape[1], len(dense_layers), self.num_heads, head_dim))
+        if not head_major:
+            return ops.unstack(outputs, len(dense_layers), axis=2)
         # One transpose for Q, K and V together: (projection, batch, heads, length, d_k).
         outputs = ops.transpose(outputs, (2, 0, 3, 1, 4))
         return ops.unstack(outputs, len(dense_layers), axis=0)
@@ -299,18 +354,20 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return (ops.concatenate(kernels, axis=-1),
                 None if biases is None else ops.concatenate(biases, axis=-1))
 
-    def _merge_heads(self, heads):
-        """The output projection: (batch, heads, length, d_k) -> (batch, length, d_model)."""
+    def _merge_heads(self, heads, head_major: bool = True):
+        """The output projection: (batch, heads, length, d_k) -> (batch, length, d_model)
+        (with `head_major=False`, from (batch, length, heads, d_k))."""
         layer = self._output_dense
         shape = ops.shape(heads)
-        if not _one_position(heads, axis=2):
+        length = shape[2] if head_major else shape[1]
+        if head_major and not _one_position(heads, axis=2):
             heads = ops.transpose(heads, (0, 2, 1, 3))
         heads = ops.reshape(heads, (-1, self.d_model))
         kernel = ops.reshape(ops.cast(layer.kernel, self.compute_dtype), (self.d_model, -1))
         outputs = ops.matmul(heads, kernel)
         if self._use_bias:
             outputs = outputs + ops.cast(layer.bias, self.compute_dtype)
-        return ops.reshape(outputs, (shape[0], shape[2], -1))
+        return ops.reshape(outputs, (shape[0], length, -1))
 
     def project_key_value(self, inputs):
         """Projects `inputs` (batch, length, d_model) into a cache: (keys, values), each
@@ -319,7 +376,9 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        for name in ("key_dim", "value_dim", "output_shape", *_UNSUPPORTED_OPTIONS):
+        # flash_attention: how to compute, not what (a model saved with it loads anywhere).
+        for name in ("key_dim", "value_dim", "output_shape", "flash_attention",
+                     *_UNSUPPORTED_OPTIONS):
             config.pop(name, None)
         config["d_model"] = self.d_model
         return config

@@ -48,7 +48,8 @@ class DecoderLayer(EncoderLayer):
         super().__init__(*args, **kwargs)
         self.cross_attention = MultiHeadAttention(
             self.d_model, self.num_heads, dropout=self.attention_dropout,
-            dtype=self.dtype_policy, name="cross_attention",
+            flash_attention=self.flash_attention, dtype=self.dtype_policy,
+            name="cross_attention",
         )
         self.cross_attention_block = ResidualNorm(
             dropout=self.dropout, pre_norm=self.pre_norm, epsilon=self.layer_norm_epsilon,
@@ -77,10 +78,7 @@ class DecoderLayer(EncoderLayer):
         target_length = ops.shape(inputs)[1]
         x = self.self_attention_block.before(inputs)
         if self_attention_cache is None:
-            attended = self.self_attention(
-                x, x, attention_mask=causal_mask(target_length, target_length),
-                training=training,
-            )
+            attended = self.self_attention(x, x, use_causal_mask=True, training=training)
         else:
             key_length = ops.shape(self_attention_cache[0])[2]
             if grow_cache:

@@ -22,6 +22,8 @@ class EncoderLayer(keras.layers.Layer):
         activation: feed-forward activation.
         pre_norm: pre-norm residual blocks instead of the paper's post-norm.
         layer_norm_epsilon: LayerNorm epsilon.
+        flash_attention: attend by lengths under JAX (see `MultiHeadAttention`); how to
+            compute, not what: not in `get_config()`.
 
     Call arguments:
         inputs: (batch, source_length, d_model).
@@ -44,9 +46,11 @@ class EncoderLayer(keras.layers.Layer):
         activation: str = "relu",
         pre_norm: bool = False,
         layer_norm_epsilon: float = 1e-6,
+        flash_attention: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.flash_attention = flash_attention
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_ff = d_ff
@@ -58,8 +62,8 @@ class EncoderLayer(keras.layers.Layer):
         block = dict(dropout=dropout, pre_norm=pre_norm, epsilon=layer_norm_epsilon,
                      dtype=self.dtype_policy)
         self.self_attention = MultiHeadAttention(
-            d_model, num_heads, dropout=attention_dropout, dtype=self.dtype_policy,
-            name="self_attention",
+            d_model, num_heads, dropout=attention_dropout, flash_attention=flash_attention,
+            dtype=self.dtype_policy, name="self_attention",
         )
         self.self_attention_block = ResidualNorm(**block, name="self_attention_block")
         self.feed_forward = FeedForward(

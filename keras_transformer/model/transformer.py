@@ -39,7 +39,9 @@ class Transformer(keras.Model):
     """The encoder-decoder Transformer as a functional model.
 
     Args: the fields of `TransformerConfig` (see `transformer_config` for presets), plus
-        `dtype` (a dtype policy such as "mixed_bfloat16") and the usual `keras.Model` kwargs.
+        `dtype` (a dtype policy such as "mixed_bfloat16"), `flash_attention` (under JAX:
+        attention by lengths, cuDNN's fused kernel on an NVIDIA GPU; see `MultiHeadAttention`;
+        a computation choice, not saved in `get_config()`) and the usual `keras.Model` kwargs.
 
     Inputs:
         {"source": int32 (batch, source_length), "target": int32 (batch, target_length)}, the
@@ -68,6 +70,7 @@ class Transformer(keras.Model):
         layer_norm_epsilon: float = 1e-6,
         max_wavelength: float = 10000.0,
         dtype=None,
+        flash_attention: bool = False,
         **kwargs,
     ):
         config = TransformerConfig(
@@ -87,7 +90,8 @@ class Transformer(keras.Model):
         )
         stack = dict(d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=dropout,
                      attention_dropout=attention_dropout, activation=activation,
-                     pre_norm=pre_norm, layer_norm_epsilon=layer_norm_epsilon, dtype=dtype)
+                     pre_norm=pre_norm, layer_norm_epsilon=layer_norm_epsilon,
+                     flash_attention=flash_attention, dtype=dtype)
         self.encoder_layers = [
             EncoderLayer(**stack, name=f"encoder_layer_{i}") for i in range(num_layers)
         ]
@@ -249,7 +253,8 @@ class Transformer(keras.Model):
         return cls(**config)
 
 
-def build_transformer(preset: str = "base", dtype=None, **overrides: Any) -> Transformer:
+def build_transformer(preset: str = "base", dtype=None, flash_attention: bool = False,
+                      **overrides: Any) -> Transformer:
     """Builds a `Transformer` from a preset ("base", "big", "small", "tiny") and overrides.
 
     Example:
@@ -259,4 +264,5 @@ def build_transformer(preset: str = "base", dtype=None, **overrides: Any) -> Tra
         ValueError: unknown preset or field, d_model not divisible by num_heads, vocab < 4, ...
     """
     config = transformer_config(preset, **overrides)
-    return Transformer(**dataclasses.asdict(config), dtype=dtype)
+    return Transformer(**dataclasses.asdict(config), dtype=dtype,
+                       flash_attention=flash_attention)

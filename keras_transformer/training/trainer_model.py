@@ -239,7 +239,8 @@ def _refuse_keras_gradient_accumulation(optimizer: keras.optimizers.Optimizer) -
                 "micro-batches.")
 
 
-def build_trainer(preset: str = "base", dtype=None, **overrides: Any) -> TransformerTrainer:
+def build_trainer(preset: str = "base", dtype=None, flash_attention: bool = False,
+                  **overrides: Any) -> TransformerTrainer:
     """Builds a `TransformerTrainer` from a preset and overrides, as `build_transformer`.
 
     Example:
@@ -250,4 +251,5 @@ def build_trainer(preset: str = "base", dtype=None, **overrides: Any) -> Transfo
         ValueError: unknown preset or field, d_model not divisible by num_heads, vocab < 4, ...
     """
     config = transformer_config(preset, **overrides)
-    return TransformerTrainer(**dataclasses.asdict(config), dtype=dtype)
+    return TransformerTrainer(**dataclasses.asdict(config), dtype=dtype,
+                              flash_attention=flash_attention)

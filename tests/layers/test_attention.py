@@ -206,3 +206,31 @@ def test_every_weight_gets_a_gradient(attention):
             if variable.path.endswith("key/bias"):
                 continue  # adds q.b_k to a whole row of scores: softmax-invariant, grad ~ 0
             assert np.abs(keras.ops.convert_to_numpy(gradient)).max() > 1e-4, variable.path
+
+
+def test_use_causal_mask_is_the_explicit_causal_mask_and_combines_with_padding(attention):
+    x = _vectors(BATCH, 5, seed=14)
+    keys = padding_mask(np.array([[3, 4, 5, 6, 7], [3, 4, 0, 0, 0], [3, 0, 0, 0, 0]]))
+    for given in (None, keys[:, None, :]):
+        explicit = causal_mask(5, 5)
+        if given is not None:
+            explicit = keras.ops.logical_and(given, explicit)
+        out, scores = attention(x, x, attention_mask=given, use_causal_mask=True,
+                                return_attention_scores=True)
+        want, want_scores = attention(x, x, attention_mask=explicit,
+                                      return_attention_scores=True)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(out),
+                                      keras.ops.convert_to_numpy(want))
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(scores),
+                                      keras.ops.convert_to_numpy(want_scores))
+    assert np.all(keras.ops.convert_to_numpy(scores)[1, :, :, 2:] == 0.0)
+
+
+def test_options_it_would_ignore_are_refused_and_flash_is_jax_only():
+    for option in (dict(attention_axes=(1,)), dict(use_gate=True), dict(sliding_window=4)):
+        with pytest.raises(ValueError, match="does not support"):
+            MultiHeadAttention(D_MODEL, HEADS, **option)
+    # The suite's backend is TensorFlow; the JAX path is checked in tests/test_jax_backend.py.
+    with pytest.raises(ValueError, match="JAX backend's"):
+        MultiHeadAttention(D_MODEL, HEADS, flash_attention=True)
+    assert "flash_attention" not in MultiHeadAttention(D_MODEL, HEADS).get_config()
