@@ -412,9 +412,11 @@ def step_variant(name: str) -> tuple[str, list[str]]:
     return preset, changes
 
 
-def keras_step(name: str, settings: dict[str, Any]) -> dict[str, Any]:
+def keras_step(name: str, settings: dict[str, Any],
+               deadline: float | None = None) -> dict[str, Any]:
     """The trainer step of preset (or variant: `step_variant`) `name` on synthetic tokens,
-    trained with `model.fit`."""
+    trained with `model.fit`; traced too if `name` is in `settings["profile"]` and time is
+    left before `deadline`."""
     import keras
 
     from keras_transformer.training.losses import (
@@ -457,7 +459,8 @@ def keras_step(name: str, settings: dict[str, Any]) -> dict[str, Any]:
     window_seconds = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # after warm-up
     flops = step_flops(preset, batch, source_length, target_length, vocab_size)
     result = {"preset": preset, "changes": changes, "batch": batch,
-              "source_length": source_length, "target_length": target_length, "vocab_size": vocab_size,
+              "source_length": source_length, "target_length": target_length,
+              "vocab_size": vocab_size,
               "parameters": int(model.count_params()), "dropout": model.config.dropout,
               "precision": precision, "first_step_seconds": compile_seconds,
               "warmup_window_seconds": ends[1] - ends[0], "window": window,
@@ -466,7 +469,13 @@ def keras_step(name: str, settings: dict[str, Any]) -> dict[str, Any]:
               "loss_first_step": first.losses[-1], "loss_last_window": timer.losses[-1],
               "finite": all(math.isfinite(v) for v in [*first.losses, *timer.losses])}
     if name in settings.get("profile", ()):
-        result["device_trace"] = profiled_steps(model, forever(), name, settings)
+        if deadline is not None and _left(deadline) < settings["profile_min_seconds"]:
+            result["device_trace"] = {"skipped": "time budget"}
+        else:
+            try:  # the step's timing above stands whatever the profiler does
+                result["device_trace"] = profiled_steps(model, forever(), name, settings)
+            except Exception as error:  # noqa: BLE001 (recorded beside the timing)
+                result["device_trace"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     del model
     keras.backend.clear_session()
     return result
@@ -513,7 +522,7 @@ def step_worker(settings: dict[str, Any], deadline: float, results: Results) -> 
         results.data["keras_step"][preset] = _running()
         results.save()
         try:
-            results.data["keras_step"][preset] = keras_step(preset, settings)
+            results.data["keras_step"][preset] = keras_step(preset, settings, deadline)
         except Exception as error:  # noqa: BLE001 (recorded, and the next preset runs)
             results.data["keras_step"][preset] = {"error": f"{type(error).__name__}: {error}"}
             jax.clear_caches()
@@ -1164,7 +1173,14 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--profile {','.join(unknown)}: not in --presets "
                          f"({','.join(presets)})")
+    compiled = [name for name in listed(args.torch_compile_presets, "")
+                if name not in STEP_SHAPES]
+    if compiled:
+        raise SystemExit(f"--torch-compile-presets {','.join(compiled)}: the peer runs "
+                         f"presets only, of {', '.join(STEP_SHAPES)}")
     parts = listed(args.parts, ",".join(PARTS))
+    if args.profile and "step" not in parts:
+        raise SystemExit("--profile traces the step part's presets: add step to --parts")
     for part in parts:
         if part not in PARTS:
             raise SystemExit(f"unknown part {part!r}: one of {', '.join(PARTS)}")
@@ -1186,6 +1202,7 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
         "profile_steps": 3 if quick else 5,
         "profile_top": 12,
         "profile_keep_bytes": 8 << 20,
+        "profile_min_seconds": 5.0 if quick else 15.0,
         "torch_modes": listed(args.torch_modes, "eager,compile"),
         "torch_compile_presets": listed(args.torch_compile_presets,
                                         ",".join(p for p in presets if "+" not in p)

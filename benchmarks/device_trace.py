@@ -61,7 +61,8 @@ def summarise(trace: str | Path, top: int = 12) -> dict[str, Any]:
         top: events listed per line.
 
     Returns:
-        {"trace": path, "device_processes": [...], "lines": {"process / thread": {
+        {"trace": path, "device_processes": [...], "source": "device lines" or "host
+        threads (no device lines in the trace)", "lines": {"process / thread": {
         "events", "busy_us", "by_kind_us", "by_kind_share", "top": [[name, total_us, count],
         ...]}}}. Busy time sums the events' durations: events that overlap (several streams
         on one line) count twice.
@@ -110,7 +111,8 @@ def summarise(trace: str | Path, top: int = 12) -> dict[str, Any]:
             "top": [[name[:160], round(us, 1), counts[line][name]]
                     for name, us in by_name.most_common(top)]}
     return {"trace": str(path), "device_processes": sorted(processes[p] for p in devices),
-            "lines": lines}
+            "source": "device lines" if devices
+            else "host threads (no device lines in the trace)", "lines": lines}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -236,12 +236,14 @@ def check_dropout() -> dict:
 def check_flash_attention(work: Path) -> dict:
     """The parity model with flash attention (lengths and a causal flag, JAX's XLA
     reference of cuDNN's call on a CPU) against its explicit masks, on the same real val
-    batch and weights: logits, and the gradient of a label-smoothed loss on them. Two rows
-    are padding alone (length 0), as static-shape batches may hold."""
+    batch and weights: logits, and the gradient of a label-smoothed loss on them, in
+    float32; logits in mixed_bfloat16 (each path's error against float32); one-token
+    sources and targets. Two rows are padding alone (length 0), as static-shape batches may
+    hold. Counts the calls that took the flash path."""
     import jax
 
+    from keras_transformer.layers import attention_jax
     from keras_transformer.layers.attention import MultiHeadAttention
-    from keras_transformer.layers.attention_jax import attention_implementation
     from keras_transformer.model.transformer import build_transformer
     from keras_transformer.training.losses import LabelSmoothedCrossEntropy
 
@@ -251,56 +253,79 @@ def check_flash_attention(work: Path) -> dict:
     source[-2:], target[-2:] = 0, 0
     features = {"source": source, "target": target[:, :-1]}
     labels = target[:, 1:]
+    short = {"source": source[:, :1], "target": target[:, :1]}  # one token a side
     loss = LabelSmoothedCrossEntropy(0.1)
-    results = {}
-    for flash in (False, True):
-        model = build_transformer(**dict(config), flash_attention=flash)
-        model.load_weights(work / "parity.weights.h5")
-        layer = model.encoder_layers[0].self_attention
-        variables = [v.value for v in model.trainable_variables]
+    calls = []
+    attend = attention_jax.attend_by_lengths
 
-        def loss_of(values, model=model):
-            logits, _ = model.stateless_call(values, [v.value for v in
-                                                      model.non_trainable_variables],
-                                             features, training=False)
-            return loss(labels, logits), logits
+    def counted(*args, **kwargs):
+        calls.append(bool(kwargs.get("causal")))
+        return attend(*args, **kwargs)
 
-        (value, logits), grads = jax.jit(jax.value_and_grad(loss_of, has_aux=True))(
-            variables)
-        results["paths"] = [v.path for v in model.trainable_variables]
-        results[flash] = {"uses_flash": bool(layer._use_flash),
-                          "logits": np.asarray(logits, "float64"),
-                          "grads": [np.asarray(g, "float64") for g in grads],
-                          "loss": float(value)}
+    attention_jax.attend_by_lengths = counted
+    results, paths = {}, []
+    try:
+        for flash in (False, True):
+            model = build_transformer(**dict(config), flash_attention=flash)
+            model.load_weights(work / "parity.weights.h5")
+            paths = [v.path for v in model.trainable_variables]
+
+            def loss_of(values, model=model):
+                logits, _ = model.stateless_call(
+                    values, [v.value for v in model.non_trainable_variables], features,
+                    training=False)
+                return loss(labels, logits), logits
+
+            del calls[:]
+            (value, logits), grads = jax.jit(jax.value_and_grad(loss_of, has_aux=True))(
+                [v.value for v in model.trainable_variables])
+            traced = list(calls)
+            bfloat16 = build_transformer(**dict(config), flash_attention=flash,
+                                         dtype="mixed_bfloat16")
+            bfloat16.load_weights(work / "parity.weights.h5")
+            results[flash] = {
+                "calls": traced, "loss": float(value),
+                "logits": np.asarray(logits, "float64"),
+                "grads": [np.asarray(g, "float64") for g in grads],
+                "short": np.asarray(model.predict_on_batch(short), "float64"),
+                "bfloat16": np.asarray(bfloat16.predict_on_batch(features), "float64")}
+    finally:
+        attention_jax.attend_by_lengths = attend
     try:
         MultiHeadAttention(32, 4, dropout=0.1, flash_attention=True)
         refused = None
     except ValueError as error:
         refused = str(error)
     plain, flash = results[False], results[True]
-    real = labels != 0
-    logit_scale = np.max(np.abs(plain["logits"]))
-    kept_rows = slice(0, -2)  # outputs of the padding-only rows are padding's, read by no one
+    kept = slice(0, -2)  # the padding-only rows' outputs are padding's, read by no one
+    scale = np.max(np.abs(plain["logits"]))
+
+    def relative(a, b):
+        return float(np.max(np.abs(a[kept] - b[kept])) / scale)
+
     return {
-        "implementation_on_cpu": attention_implementation("bfloat16"),
-        "uses_flash": [plain["uses_flash"], flash["uses_flash"]],
-        "logits_max_relative_difference": float(np.max(np.abs(
-            plain["logits"][kept_rows] - flash["logits"][kept_rows])) / logit_scale),
+        "implementation_on_cpu": attention_jax.attention_implementation("bfloat16", 64),
+        "flash_calls": [len(plain["calls"]), len(flash["calls"])],
+        "causal_flash_calls": sum(flash["calls"]),
+        "layers": int(config["num_layers"]),
+        "logits_max_relative_difference": relative(plain["logits"], flash["logits"]),
+        "one_token_max_relative_difference": relative(plain["short"], flash["short"]),
+        "bfloat16_error_explicit": relative(plain["bfloat16"], plain["logits"]),
+        "bfloat16_error_flash": relative(flash["bfloat16"], plain["logits"]),
         "loss": [plain["loss"], flash["loss"]],
         # Key biases have a zero true gradient (softmax ignores a constant added to a row's
         # scores): theirs is round-off in either path, compared with the largest gradient.
         "gradient_max_relative_difference": max(
             float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
-            for path, a, b in zip(results["paths"], plain["grads"], flash["grads"],
-                                  strict=True) if not path.endswith("key/bias")),
+            for path, a, b in zip(paths, plain["grads"], flash["grads"], strict=True)
+            if not path.endswith("key/bias")),
         "key_bias_gradient_to_largest": max(
-            float(np.max(np.abs(g))) for path, g in zip(results["paths"], flash["grads"],
-                                                        strict=True)
+            float(np.max(np.abs(g))) for path, g in zip(paths, flash["grads"], strict=True)
             if path.endswith("key/bias")) / max(float(np.max(np.abs(g)))
                                                for g in plain["grads"]),
         "refusal_with_attention_dropout": refused,
         "gradients_finite": bool(all(np.all(np.isfinite(g)) for g in flash["grads"])),
-        "real_target_tokens": int(real.sum())}
+        "real_target_tokens": int((labels != 0).sum())}
 
 
 def main(work: Path) -> None:

@@ -37,6 +37,7 @@ def test_device_lines_are_summed_by_kind_and_host_threads_left_out(tmp_path):
                       kernel("dot_general.1", 999.0, pid=1, tid=7)])  # host: not counted
     summary = summarise(tmp_path, top=2)
     assert summary["device_processes"] == ["/device:GPU:0"]
+    assert summary["source"] == "device lines"
     (line,) = summary["lines"].values()
     assert line["events"] == 5 and line["busy_us"] == 100.0
     assert line["by_kind_us"] == {"matmul": 50.0, "other": 35.0, "attention": 15.0}

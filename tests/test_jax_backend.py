@@ -125,11 +125,18 @@ def test_dropout_draws_16_bit_masks_with_keras_distribution_under_jax(jax_result
 def test_flash_attention_by_lengths_matches_the_explicit_masks_under_jax(jax_results):
     flash = jax_results["flash_attention"]
     assert flash["implementation_on_cpu"] == "xla"  # cuDNN's only on an NVIDIA GPU
-    assert flash["uses_flash"] == [False, True]
+    # Every attention of the flash model took the flash path (encoder self, decoder self
+    # (causal), cross: 3 a layer pair), none of the other model's.
+    assert flash["flash_calls"] == [0, 3 * flash["layers"]]
+    assert flash["causal_flash_calls"] == flash["layers"]
     # float32: the same sums in another order (the padding masked by lengths, not a mask).
     assert flash["logits_max_relative_difference"] <= 1e-5
+    assert flash["one_token_max_relative_difference"] <= 1e-5
     assert abs(flash["loss"][0] - flash["loss"][1]) <= 1e-5 * abs(flash["loss"][0])
     assert flash["gradient_max_relative_difference"] <= 1e-4
     assert flash["key_bias_gradient_to_largest"] <= 1e-5  # zero, but for round-off
     assert flash["gradients_finite"] and flash["real_target_tokens"] > 0
+    # mixed_bfloat16: no further from float32 than the explicit path (0.5% here).
+    assert flash["bfloat16_error_flash"] <= 1.5 * flash["bfloat16_error_explicit"] + 1e-3
+    assert flash["bfloat16_error_flash"] <= 0.02
     assert "attention dropout 0.1" in flash["refusal_with_attention_dropout"]

@@ -211,6 +211,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 and (attention_mask is None or attention_mask.shape[1] == 1)):
             return self._flash_attend(query, value, key, attention_mask, use_causal_mask)
         if use_causal_mask:
+            if cache is not None:
+                raise ValueError(
+                    "use_causal_mask with a cache: a cached step's causal mask starts at "
+                    "cache_update_index; pass it as attention_mask (causal_mask(query_length, "
+                    "key_length, cache_update_index)).")
             causal = causal_mask(ops.shape(query)[1], ops.shape(value)[1])
             attention_mask = (causal if attention_mask is None
                               else ops.logical_and(attention_mask, causal))
@@ -249,7 +254,18 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def _flash_attend(self, query, value, key, key_mask, causal: bool):
         """`call` by `attention_jax.attend_by_lengths`: projections in JAX's (batch, length,
-        heads, d_k) layout, so neither they nor the result are transposed."""
+        heads, d_k) layout, so neither they nor the result are transposed.
+
+        Args:
+            query: (batch, target_length, d_model).
+            value, key: (batch, source_length, d_model); `key` None: `value`.
+            key_mask: None, or bool (batch or 1, 1, source_length), True on real keys, which
+                come first in each row (right padding, as the project's batches have it).
+            causal: the decoder's self-attention mask.
+
+        Returns:
+            (batch, target_length, d_model).
+        """
         from keras_transformer.layers import attention_jax
 
         if key is None and value is query:
@@ -322,7 +338,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         if bias is not None:
             outputs = outputs + bias
         head_dim = self.d_model // self.num_heads
-        if _one_position(inputs, axis=1):  # no transpose needed (see `_attend_one_query`)
+        if head_major and _one_position(inputs, axis=1):  # no transpose needed (see
+            # `_attend_one_query`)
             outputs = ops.reshape(
                 outputs, (shape[0], len(dense_layers), self.num_heads, 1, head_dim))
             return ops.unstack(outputs, len(dense_layers), axis=1)

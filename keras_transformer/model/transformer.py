@@ -41,7 +41,8 @@ class Transformer(keras.Model):
     Args: the fields of `TransformerConfig` (see `transformer_config` for presets), plus
         `dtype` (a dtype policy such as "mixed_bfloat16"), `flash_attention` (under JAX:
         attention by lengths, cuDNN's fused kernel on an NVIDIA GPU; see `MultiHeadAttention`;
-        a computation choice, not saved in `get_config()`) and the usual `keras.Model` kwargs.
+        sources must be right-padded, as the project's batches are; a computation choice, not
+        saved in `get_config()`) and the usual `keras.Model` kwargs.
 
     Inputs:
         {"source": int32 (batch, source_length), "target": int32 (batch, target_length)}, the

@@ -224,6 +224,9 @@ def test_use_causal_mask_is_the_explicit_causal_mask_and_combines_with_padding(a
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(scores),
                                       keras.ops.convert_to_numpy(want_scores))
     assert np.all(keras.ops.convert_to_numpy(scores)[1, :, :, 2:] == 0.0)
+    cache = attention.project_key_value(x)
+    with pytest.raises(ValueError, match="cache_update_index"):
+        attention(x[:, :1], x[:, :1], use_causal_mask=True, cache=cache, cache_update_index=0)
 
 
 def test_options_it_would_ignore_are_refused_and_flash_is_jax_only():
