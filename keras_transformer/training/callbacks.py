@@ -10,6 +10,7 @@ with the data stream started at exactly the restored step (without replaying the
 from __future__ import annotations
 
 import contextlib
+import csv
 import math
 import os
 import time
@@ -243,7 +244,25 @@ class AgreedStop(keras.callbacks.Callback):
 
 class MetricsLog(keras.callbacks.CSVLogger):
     """`keras.callbacks.CSVLogger` (appending, one row per interval) whose write failures on
-    a full or failing disk become a `StorageError` naming the file, not a traceback."""
+    a full or failing disk become a `StorageError` naming the file, not a traceback, and
+    whose rows keep the columns of the header already in the file."""
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        # Keras takes the columns from the first interval it logs, even when appending to a
+        # file whose header says otherwise: a run resumed into an interval with validation,
+        # whose header was written at one without (every val_ column, val_learning_rate
+        # among them), wrote shorter rows under it, and val_loss was read from another
+        # column. The file's columns are kept; a metric it lacks is left out.
+        columns = self._header()
+        if columns and columns[0] == "epoch":
+            self.keys = columns[1:]
+
+    def _header(self) -> list[str]:
+        if not os.path.isfile(self.filename):
+            return []
+        with open(self.filename, newline="") as stream:
+            return next(csv.reader(stream, delimiter=self.sep), [])
 
     def on_epoch_end(self, epoch, logs=None):
         before = os.path.getsize(self.filename) if os.path.isfile(self.filename) else 0

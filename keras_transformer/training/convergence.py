@@ -59,13 +59,17 @@ BLEU_MARGIN = 0.5
 
 def read_validation_losses(metrics_csv: str | Path) -> list[tuple[int, float]]:
     """(step, val_loss) of every validation a run logged (its logs/metrics.csv), in step
-    order; a step logged twice (a resumed interval) keeps its last value."""
+    order; a step logged twice (a resumed interval) keeps its last value. Rows with more or
+    fewer fields than the header are skipped: a resumed run logged them under other columns
+    before `callbacks.MetricsLog` kept the header's, and their val_loss is another metric."""
     path = Path(metrics_csv)
     if not path.is_file():
         return []
     losses: dict[int, float] = {}
     with path.open(newline="") as stream:
         for row in csv.DictReader(stream):
+            if None in row or None in row.values():  # too many fields, or too few
+                continue
             try:
                 step, loss = int(float(row["step"])), float(row["val_loss"])
             except (KeyError, TypeError, ValueError):  # "NA": no validation in that interval

@@ -3,11 +3,12 @@ early stopping) and the crash-safe backup."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
 
-from keras_transformer.training.callbacks import StopAt, TokenCount
+from keras_transformer.training.callbacks import MetricsLog, StopAt, TokenCount
 from keras_transformer.training.checkpoints import (
     checkpoint_path,
     list_checkpoints,
@@ -123,3 +124,25 @@ def test_checkpointer_keeps_the_best_window_before_the_cooldown_across_a_resume(
     train(resumed, [2.8, 2.7], 6)
     assert resumed.best_before_cooldown == 30
     assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [20, 30, 60, 70, 80]
+
+
+def test_metrics_log_appends_under_the_header_already_in_the_file(tmp_path):
+    # The first run logs an interval without validation (Keras then adds every val_ column),
+    # the resumed one starts at an interval with it: its rows must fit the first header.
+    path = tmp_path / "metrics.csv"
+    first = MetricsLog(str(path), append=True)
+    first.on_train_begin()
+    first.on_epoch_end(0, {"loss": 5.0, "step": 100, "learning_rate": 1e-4})
+    first.on_train_end()
+    resumed = MetricsLog(str(path), append=True)
+    resumed.on_train_begin()
+    resumed.on_epoch_end(1, {"loss": 4.0, "step": 200, "learning_rate": 2e-4,
+                             "val_loss": 4.5, "val_accuracy": 0.25})
+    resumed.on_epoch_end(2, {"loss": 3.5, "step": 300, "learning_rate": 3e-4})
+    resumed.on_train_end()
+    with path.open(newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    assert [row["step"] for row in rows] == ["100", "200", "300"]
+    assert all(None not in row and None not in row.values() for row in rows)
+    assert [row["val_loss"] for row in rows] == ["NA", "4.5", "NA"]
+    assert rows[1]["val_learning_rate"] == "NA"  # a column no validation logs

@@ -128,6 +128,16 @@ def test_the_logged_csv_is_read_with_its_gaps_and_resumed_rows(tmp_path):
     assert not math.isnan(sum(loss for _, loss in read_validation_losses(path)))
 
 
+def test_rows_logged_under_other_columns_are_not_read(tmp_path):
+    # A resumed run's rows written before MetricsLog kept the header's columns: 13 fields
+    # under a 17-column header, val_loss's place holding val_perplexity (logs of a real run).
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,loss,step,val_accuracy,val_learning_rate,val_loss,val_step\n"
+                    "0,5.0,100,NA,NA,NA,NA\n1,4.0,200,0.25,5.49,162.1\n"
+                    "2,3.5,300,NA,NA,NA,NA,extra\n3,3.0,400,0.3,NA,3.9,400\n")
+    assert read_validation_losses(path) == [(400, 3.9)]
+
+
 # The 4,533-step `--recipe auto` Multi30k de->en run (a Xeon, 2026-11-27; 4,817 steps
 # planned with a 20% cooldown from step 3,853.6, stopped by its --max-minutes guard): the
 # plateau from ~2,400 steps that the recipe's runs show, then the cooldown's drop.
