@@ -223,17 +223,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             (query_heads,) = self._project(query, self._query_dense)
             key_heads, value_heads = cache
         else:
-            if key is None and value is query:
-                query_heads, key_heads, value_heads = self._project(
-                    query, self._query_dense, self._key_dense, self._value_dense)
-            else:
-                (query_heads,) = self._project(query, self._query_dense)
-                if key is None:
-                    key_heads, value_heads = self._project(
-                        value, self._key_dense, self._value_dense)
-                else:
-                    (key_heads,) = self._project(key, self._key_dense)
-                    (value_heads,) = self._project(value, self._value_dense)
+            query_heads, key_heads, value_heads = self._project_attended(query, value, key)
             if cache is not None and grow_cache:
                 key_heads = ops.concatenate([cache[0], key_heads], axis=2)
                 value_heads = ops.concatenate([cache[1], value_heads], axis=2)
@@ -268,17 +258,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         """
         from keras_transformer.layers import attention_jax
 
-        if key is None and value is query:
-            query_heads, key_heads, value_heads = self._project(
-                query, self._query_dense, self._key_dense, self._value_dense, head_major=False)
-        else:
-            (query_heads,) = self._project(query, self._query_dense, head_major=False)
-            if key is None:
-                key_heads, value_heads = self._project(
-                    value, self._key_dense, self._value_dense, head_major=False)
-            else:
-                (key_heads,) = self._project(key, self._key_dense, head_major=False)
-                (value_heads,) = self._project(value, self._value_dense, head_major=False)
+        query_heads, key_heads, value_heads = self._project_attended(
+            query, value, key, head_major=False)
         attended = attention_jax.attend_by_lengths(
             query_heads, key_heads, value_heads, key_mask=key_mask, causal=causal)
         return self._merge_heads(attended, head_major=False)
@@ -320,6 +301,26 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                                              attention_mask)
         return attended[:, :, None, :], weights[:, :, None, :]
 
+    def _project_attended(self, query, value, key=None, head_major: bool = True):
+        """Query, key and value heads of `call`'s inputs, in as few matmuls as they allow:
+        one for all three in self-attention (`value is query`, no `key`), else one for the
+        query and one for key and value (one each with a separate `key`).
+
+        Returns:
+            (query_heads, key_heads, value_heads), as `_project` lays them out.
+        """
+        if key is None and value is query:
+            return tuple(self._project(query, self._query_dense, self._key_dense,
+                                       self._value_dense, head_major=head_major))
+        (query_heads,) = self._project(query, self._query_dense, head_major=head_major)
+        if key is None:
+            key_heads, value_heads = self._project(
+                value, self._key_dense, self._value_dense, head_major=head_major)
+        else:
+            (key_heads,) = self._project(key, self._key_dense, head_major=head_major)
+            (value_heads,) = self._project(value, self._value_dense, head_major=head_major)
+        return query_heads, key_heads, value_heads
+
     def _project(self, inputs, *dense_layers, head_major: bool = True):
         """Applies the head projections `dense_layers` to `inputs` in one 2-D matmul.
 
@@ -338,8 +339,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         if bias is not None:
             outputs = outputs + bias
         head_dim = self.d_model // self.num_heads
-        if head_major and _one_position(inputs, axis=1):  # no transpose needed (see
-            # `_attend_one_query`)
+        # One position, head-major: no transpose needed (see `_attend_one_query`).
+        if head_major and _one_position(inputs, axis=1):
             outputs = ops.reshape(
                 outputs, (shape[0], len(dense_layers), self.num_heads, 1, head_dim))
             return ops.unstack(outputs, len(dense_layers), axis=1)

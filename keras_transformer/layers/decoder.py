@@ -75,11 +75,11 @@ class DecoderLayer(EncoderLayer):
         training=None,
         grow_cache: bool = False,
     ):
-        target_length = ops.shape(inputs)[1]
         x = self.self_attention_block.before(inputs)
         if self_attention_cache is None:
             attended = self.self_attention(x, x, use_causal_mask=True, training=training)
         else:
+            target_length = ops.shape(inputs)[1]
             key_length = ops.shape(self_attention_cache[0])[2]
             if grow_cache:
                 key_length = key_length + target_length
