@@ -20,7 +20,7 @@ with the run tool's `carry: ["build/accelerator_bundle"]`):
   XLA buckets and static shapes that fit.py uses on a GPU), the initial weights' generator, seed
   and SHA-256 (the recipe's model, dropout 0; its 7.6M float32 parameters would take 30 MB as a
   `.weights.h5`, so both sides regenerate them bit for bit:
-  `accelerator_check.seeded_initial_weights`, checked here against the families of Keras' own
+  `accelerator_agreement.seeded_initial_weights`, checked here against the families of Keras' own
   initial values), and per step the loss of training on CPU under TensorFlow in float32
   (`train_on_batch`, compiled as fit.py compiles on a CPU), the batch's shape, target tokens and
   digest.
@@ -49,18 +49,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.accelerator_check import (  # noqa: E402
-    DEFAULT_BUNDLE,
-    PREPARED_DIR,
-    REFERENCE_FILE,
-    REPO,
-    WHEELS_DIR,
+from benchmarks.accelerator_agreement import (  # noqa: E402
     batch_digest,
     init_family,
     recipe_batches,
     recipe_batching,
     recipe_model,
     set_initial_weights,
+)
+from benchmarks.accelerator_common import (  # noqa: E402
+    DEFAULT_BUNDLE,
+    PREPARED_DIR,
+    REFERENCE_FILE,
+    REPO,
+    WHEELS_DIR,
 )
 
 RECIPE = "multi30k"

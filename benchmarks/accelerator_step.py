@@ -1,0 +1,261 @@
+"""The step part of the accelerator check of issue 36 (`benchmarks/accelerator_check.py`): the
+device's bfloat16 matmul peak measured through jnp, and the project's real trainer step
+(`TransformerTrainer` compiled as `fit.py` does, trained with `model.fit`) of each preset, or
+candidate `preset+change` (`STEP_CHANGES`), on synthetic tokens: compile time, median step time
+over windows of steps, target tokens/s and TFLOP/s; with `--profile`, where the device time
+goes (`benchmarks/device_trace.py`). The PyTorch peer (`accelerator_torch.py`) times its step
+on the same synthetic batches, FLOP count and windows.
+
+Runs in the step worker's process (and the warmers'), under Keras' JAX backend; Keras and JAX
+are imported there only.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.accelerator_common import (
+    STEP_SHAPES,
+    Results,
+    _brief,
+    _left,
+    _log,
+    _running,
+    jax_device,
+)
+
+# Candidates for a faster step (issue 36's aim), each a change to a preset's step, written
+# `preset+change+...` in --presets (the step part only): what each saves, measured alone.
+STEP_CHANGES = {
+    "flash": "attention by key lengths and a causal flag: cuDNN's fused kernel "
+             "(keras_transformer/layers/attention_jax.py)",
+    "dropout0": "no dropout (an upper bound on what cheaper dropout masks can save)",
+    "vocab8000": "an 8,000 vocabulary (an upper bound on what a fused output layer and loss "
+                 "can save; MFU counts the smaller output layer's FLOPs)",
+}
+
+
+def synthetic_batch(batch: int, source_length: int, target_length: int, vocab_size: int,
+                    seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Random pairs without padding: source ending in EOS, target BOS-first, labels the
+    target shifted left."""
+    from pipelines.constants import BOS_ID, EOS_ID
+
+    rng = np.random.default_rng(seed)
+    source = rng.integers(4, vocab_size, (batch, source_length), dtype=np.int32)
+    source[:, -1] = EOS_ID
+    target = rng.integers(4, vocab_size, (batch, target_length + 1), dtype=np.int32)
+    target[:, 0] = BOS_ID
+    target[:, -1] = EOS_ID
+    return {"source": source, "target": target[:, :-1]}, target[:, 1:].copy()
+
+
+def step_flops(preset: str, batch: int, source_length: int, target_length: int,
+               vocab_size: int) -> float:
+    from benchmarks.flops import train_step_flops
+    from keras_transformer.model.config import transformer_config
+
+    config = transformer_config(preset, vocab_size=vocab_size)
+    return train_step_flops(batch, source_length, target_length, config.num_layers,
+                            config.d_model, config.d_ff, vocab_size)
+
+
+def _timing(window_seconds: list[float], window: int, batch: int, target_length: int,
+            flops: float) -> dict[str, Any]:
+    step = statistics.median(window_seconds) / window
+    return {"step_seconds": step, "window_step_seconds": [s / window for s in window_seconds],
+            "target_tokens_per_second": batch * target_length / step,
+            "flops_per_step": flops, "tflops_per_second": flops / step / 1e12}
+
+
+def jax_matmul_peak(sizes: list[int], flops: float, repeats: int = 5) -> dict[str, Any]:
+    """bfloat16 FLOP/s of size x size matmuls through jnp (float32 accumulation): per size
+    the median of `repeats` timings of chained products (about `flops` FLOPs each), and the
+    best size's."""
+    import jax
+    import jax.numpy as jnp
+
+    results = {}
+    for size in sizes:
+        key_a, key_b = jax.random.split(jax.random.PRNGKey(size))
+        a = jax.random.normal(key_a, (size, size), jnp.bfloat16)
+        b = jax.random.normal(key_b, (size, size), jnp.bfloat16)
+        calls = max(1, min(50, int(flops // (2 * size**3))))
+
+        @jax.jit
+        def chained(a, b, calls=calls):
+            def body(_, carry):
+                return (carry @ b) * jnp.bfloat16(0.01)  # stays finite
+            return jax.lax.fori_loop(0, calls, body, a)
+
+        chained(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            chained(a, b).block_until_ready()
+            times.append(time.perf_counter() - start)
+        results[str(size)] = 2.0 * size**3 * calls / statistics.median(times) / 1e12
+    best = max(results, key=results.get)
+    return {"tflops_per_second": results[best], "best_size": int(best),
+            "by_size_tflops_per_second": results, "dtype": "bfloat16", "through": "jnp.matmul"}
+
+
+class _EpochTimes:
+    """A Keras callback (built lazily: keras is imported in the workers only) recording the
+    time and loss at each epoch's end (reading the loss waits for the epoch's last step)."""
+
+    @staticmethod
+    def make():
+        import keras
+
+        class EpochTimes(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.times, self.losses = [], []
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.losses.append(float((logs or {}).get("loss", float("nan"))))
+                self.times.append(time.perf_counter())
+
+        return EpochTimes()
+
+
+def step_variant(name: str) -> tuple[str, list[str]]:
+    """`preset+change+...` (see `STEP_CHANGES`) as (preset, changes).
+
+    Raises:
+        ValueError: an unknown preset or change.
+    """
+    preset, *changes = name.split("+")
+    if preset not in STEP_SHAPES:
+        raise ValueError(f"unknown preset {preset!r} in {name!r}: one of "
+                         f"{', '.join(STEP_SHAPES)}")
+    unknown = [change for change in changes if change not in STEP_CHANGES]
+    if unknown:
+        raise ValueError(f"unknown change(s) {', '.join(unknown)} in {name!r}: of "
+                         f"{', '.join(STEP_CHANGES)}")
+    return preset, changes
+
+
+def keras_step(name: str, settings: dict[str, Any],
+               deadline: float | None = None) -> dict[str, Any]:
+    """The trainer step of preset (or variant: `step_variant`) `name` on synthetic tokens,
+    trained with `model.fit`; traced too if `name` is in `settings["profile"]` and time is
+    left before `deadline`."""
+    import keras
+
+    from keras_transformer.training.losses import (
+        GlobalTokenCrossEntropy,
+        MaskedAccuracy,
+        Perplexity,
+    )
+    from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
+
+    preset, changes = step_variant(name)
+    batch, source_length, target_length, vocab_size = STEP_SHAPES[preset]
+    if "vocab8000" in changes:
+        vocab_size = 8000
+    precision, window = settings["precision"], settings["window"]
+    windows = max(1, settings["steps"] // window)
+    keras.utils.set_random_seed(0)
+    model = build_trainer(preset, vocab_size=vocab_size, dtype=precision,
+                          flash_attention="flash" in changes,
+                          **({"dropout": 0.0} if "dropout0" in changes else {}))
+    model.compile(optimizer=paper_adam(model.config.d_model),
+                  loss=GlobalTokenCrossEntropy(0.1),
+                  metrics=[MaskedAccuracy(), Perplexity()], accumulate_steps=1)
+    features, labels = synthetic_batch(batch, source_length, target_length, vocab_size)
+
+    def forever():
+        while True:
+            yield features, labels
+
+    start = time.perf_counter()
+    first = _EpochTimes.make()
+    model.fit(forever(), steps_per_epoch=1, epochs=1, verbose=0, callbacks=[first],
+              shuffle=False)
+    compile_seconds = first.times[-1] - start
+    timer = _EpochTimes.make()
+    start = time.perf_counter()
+    model.fit(forever(), steps_per_epoch=window, epochs=1 + windows, verbose=0,
+              callbacks=[timer], shuffle=False)
+    ends = [start, *timer.times]
+    window_seconds = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # after warm-up
+    flops = step_flops(preset, batch, source_length, target_length, vocab_size)
+    result = {"preset": preset, "changes": changes, "batch": batch,
+              "source_length": source_length, "target_length": target_length,
+              "vocab_size": vocab_size,
+              "parameters": int(model.count_params()), "dropout": model.config.dropout,
+              "precision": precision, "first_step_seconds": compile_seconds,
+              "warmup_window_seconds": ends[1] - ends[0], "window": window,
+              "timed_steps": window * len(window_seconds),
+              **_timing(window_seconds, window, batch, target_length, flops),
+              "loss_first_step": first.losses[-1], "loss_last_window": timer.losses[-1],
+              "finite": all(math.isfinite(v) for v in [*first.losses, *timer.losses])}
+    if name in settings.get("profile", ()):
+        if deadline is not None and _left(deadline) < settings["profile_min_seconds"]:
+            result["device_trace"] = {"skipped": "time budget"}
+        else:
+            try:  # the step's timing above stands whatever the profiler does
+                result["device_trace"] = profiled_steps(model, forever(), name, settings)
+            except Exception as error:  # noqa: BLE001 (recorded beside the timing)
+                result["device_trace"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    del model
+    keras.backend.clear_session()
+    return result
+
+
+def profiled_steps(model, batches, name: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings["profile_steps"]` more steps of a compiled model under JAX's profiler: where
+    the device time goes (`benchmarks/device_trace.py`). The trace stays in the log folder
+    (`trace_<name>/`) for TensorBoard or Perfetto when it is small enough to bring back."""
+    import jax
+
+    from benchmarks.device_trace import summarise
+
+    folder = Path(settings["trace_dir"]) / f"trace_{name.replace('+', '_')}"
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        model.fit(batches, steps_per_epoch=settings["profile_steps"], epochs=1, verbose=0,
+                  shuffle=False)
+    summary = summarise(folder, top=settings["profile_top"])
+    summary["steps"] = settings["profile_steps"]
+    for path in folder.rglob("*"):  # bring back the Perfetto trace only, if small
+        if path.is_file() and (not path.name.startswith("perfetto_trace")
+                               or path.stat().st_size > settings["profile_keep_bytes"]):
+            path.unlink()
+    return summary
+
+
+def step_worker(settings: dict[str, Any], deadline: float, results: Results) -> None:
+    import jax
+
+    results.data["device"] = jax_device()
+    results.save()
+    _log(f"device {results.data['device']}")
+    sizes = settings["matmul_sizes"]
+    results.data["matmul_peak"] = jax_matmul_peak(sizes, settings["matmul_flops"])
+    results.save()
+    _log(f"matmul peak {results.data['matmul_peak']['tflops_per_second']:.1f} TFLOP/s")
+    results.data["keras_step"] = {}
+    for preset in settings["presets"]:
+        if _left(deadline) < settings["min_seconds_per_preset"]:
+            results.data["keras_step"][preset] = {"skipped": "time budget"}
+            results.save()
+            continue
+        _log(f"keras step {preset} ...")
+        results.data["keras_step"][preset] = _running()
+        results.save()
+        try:
+            results.data["keras_step"][preset] = keras_step(preset, settings, deadline)
+        except Exception as error:  # noqa: BLE001 (recorded, and the next preset runs)
+            results.data["keras_step"][preset] = {"error": f"{type(error).__name__}: {error}"}
+            jax.clear_caches()
+        results.save()
+        _log(f"keras step {preset}: {_brief(results.data['keras_step'][preset])}")
