@@ -331,9 +331,10 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
         "profile_keep_bytes": 8 << 20,
         "profile_min_seconds": 5.0 if quick else 15.0,
         "torch_modes": listed(args.torch_modes, "eager,compile"),
-        "torch_compile_presets": listed(args.torch_compile_presets,
-                                        ",".join(p for p in presets if "+" not in p)
-                                        if quick else "base,big,small"),
+        # Base first (the comparison), and only presets that --presets asks for.
+        "torch_compile_presets": listed(args.torch_compile_presets, ",".join(
+            p for p in (presets if quick else ("base", "big", "small"))
+            if p in presets and "+" not in p)),
         "budget": args.budget if args.budget is not None else (1800.0 if quick else 265.0),
         "warm": not args.no_warm,
         "warm_share": WARM_SHARE,
