@@ -196,20 +196,32 @@ def plan_on_this_machine(config: TrainConfig, corpora: dict[str, Any], strategy,
                     precision=precision, jit=jit, report=report)
 
 
-def budget_report(auto: dict[str, Any], results: dict[str, Any], started: float
-                  ) -> dict[str, Any]:
-    """results.json's "budget" of an auto run: the plan against what the command took (this
-    process's time; a resumed run's earlier processes are in training_seconds only)."""
+def budget_report(auto: dict[str, Any], results: dict[str, Any], started: float,
+                  earlier_training_seconds: float = 0.0) -> dict[str, Any]:
+    """results.json's "budget" of an auto run: the plan against what the command took.
+
+    `command_minutes` is this process's time; `training_minutes` is the whole run's, so a
+    resumed run (`earlier_training_seconds` > 0: the training of its interrupted commands)
+    also reports `earlier_training_minutes` and says that this command is not the whole run.
+    """
     command = time.perf_counter() - started + STARTUP_SECONDS
     report = {"budget": auto["budget"], "steps_planned": auto["choices"]["max_steps"]["value"],
               "steps_trained": results["steps"], "command_minutes": round(command / 60, 1),
               "training_minutes": round(results["training_seconds"] / 60, 1),
               "evaluation_minutes": round(results["evaluation_seconds"] / 60, 1)}
-    report["message"] = (f"budget {auto['budget']}: this command took "
-                         f"{report['command_minutes']} min ({report['training_minutes']} of "
-                         f"them training {results['steps']:,} of the "
-                         f"{report['steps_planned']:,} steps planned, "
-                         f"{report['evaluation_minutes']} choosing on val, testing, exporting)")
+    steps = f"{results['steps']:,} of the {report['steps_planned']:,} steps planned"
+    end = f"{report['evaluation_minutes']} choosing on val, testing, exporting"
+    if earlier_training_seconds > 0:
+        report["earlier_training_minutes"] = round(earlier_training_seconds / 60, 1)
+        report["message"] = (
+            f"budget {auto['budget']}: resumed, so this command's {report['command_minutes']} "
+            f"min are not the whole run's; training took {report['training_minutes']} min "
+            f"over all its commands ({report['earlier_training_minutes']} before this one; "
+            f"{steps}), {end}")
+    else:
+        report["message"] = (f"budget {auto['budget']}: this command took "
+                             f"{report['command_minutes']} min ({report['training_minutes']} "
+                             f"of them training {steps}, {end})")
     return report
 
 

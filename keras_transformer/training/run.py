@@ -237,7 +237,8 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
         return finish_with_tensorflow(config, outcome)
     results = finish_run(config, record, corpora, outcome)
     if auto is not None:
-        results["budget"] = auto_plan.budget_report(record["auto"], results, started)
+        results["budget"] = auto_plan.budget_report(record["auto"], results, started,
+                                                       outcome.get("elapsed_before", 0.0))
         storage.write_json(out / run_directory.RESULTS_FILE, results)
         _LOG.info(results["budget"]["message"])
     return results

@@ -146,6 +146,8 @@ class TrainingLoop:
             "step": step, "max_steps": self.max_steps, "diverged": checkpointer.diverged,
             "reason": stopper.reason or self.state.get("stop_reason") or f"reached step {step}",
             "elapsed": stopper.elapsed if not done else stopper.elapsed_before,
+            # Training time of the run's earlier (interrupted) commands, part of "elapsed".
+            "elapsed_before": stopper.elapsed_before,
             "tokens_per_sec": self.throughput.total_tokens / max(
                 self.throughput.total_seconds, 1e-9),
             "best_val_loss": checkpointer.best_val_loss

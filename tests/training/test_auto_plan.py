@@ -309,6 +309,23 @@ def test_the_run_reports_its_budget(auto_run):
     assert clean["kept"] == results["data_report"]["train"] <= 600
 
 
+def test_a_resumed_run_says_its_command_is_not_the_whole_run():
+    # A run killed at step 2,100 and resumed: this command trained the rest and ended it.
+    auto = {"budget": "4,637 steps", "choices": {"max_steps": {"value": 4058}}}
+    results = {"steps": 4058, "training_seconds": 77.3 * 60, "evaluation_seconds": 3.9 * 60}
+    started = time.perf_counter() - 33.0 * 60
+    fresh = auto_plan.budget_report(auto, results, started)
+    assert "earlier_training_minutes" not in fresh
+    assert fresh["message"].startswith("budget 4,637 steps: this command took")
+    resumed = auto_plan.budget_report(auto, results, started, earlier_training_seconds=2616.0)
+    assert resumed["earlier_training_minutes"] == 43.6
+    assert resumed["training_minutes"] == 77.3 and resumed["command_minutes"] >= 33.0
+    message = resumed["message"]
+    assert "resumed, so this command's" in message and "this command took" not in message
+    assert "training took 77.3 min over all its commands (43.6 before this one" in message
+    assert "4,058 of the 4,058 steps planned" in message and "3.9 choosing on val" in message
+
+
 def test_the_run_records_its_plan_in_config_json(auto_run):
     recorded = json.loads((auto_run["out"] / "config.json").read_text())
     auto = recorded["auto"]
