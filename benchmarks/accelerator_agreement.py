@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.accelerator_common import REFERENCE_FILE, Results, _left, _log, jax_device
+from benchmarks.accelerator_common import REFERENCE_FILE, Results, jax_device, say, seconds_left
 
 AGREEMENT_BAR = 0.01  # relative difference of the mean loss over the window
 INIT_GENERATOR = "splitmix64-v1"
@@ -210,7 +210,7 @@ def agreement_run(reference: dict[str, Any], folder: Path, precision: str, steps
     batches = recipe_batches(folder, reference["batches"])
     stopped = None
     for step in range(steps):
-        if _left(deadline) < 2:
+        if seconds_left(deadline) < 2:
             stopped = f"time budget, after {step} steps"
             break
         features, labels = next(batches)
@@ -271,7 +271,7 @@ def agreement_worker(settings: dict[str, Any], deadline: float, results: Results
     if "device" not in results.data:
         results.data["device"] = jax_device()
     for precision in settings["agreement_precisions"]:
-        _log(f"agreement {precision}: {steps} steps ...")
+        say(f"agreement {precision}: {steps} steps ...")
         runs = results.data["agreement"]["runs"]
 
         def progress(partial, precision=precision, runs=runs):
@@ -285,7 +285,7 @@ def agreement_worker(settings: dict[str, Any], deadline: float, results: Results
             run = {"error": f"{type(error).__name__}: {error}"}
         results.data["agreement"]["runs"][precision] = run
         results.save()
-        _log(f"agreement {precision}: " + json.dumps(
+        say(f"agreement {precision}: " + json.dumps(
             {k: run.get(k) for k in ("steps", "mean_loss", "reference_mean_loss",
                                      "relative_difference", "batches_identical", "error")}))
 

@@ -77,7 +77,7 @@ DEFAULT_DATA = Path("/work/shared/data/multi30k")
 PARTS = ("wheels", "prepared", "reference")
 
 
-def _log(message: str) -> None:
+def say(message: str) -> None:
     print(f"[bundle {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
@@ -103,7 +103,7 @@ def download_wheels(target: Path) -> dict[str, Any]:
                    "--only-binary=:all:", "--python-version", PYTHON_VERSION,
                    "--implementation", "cp", *[f"--platform={p}" for p in PLATFORMS],
                    "--dest", work, f"keras=={KERAS_VERSION}"]
-        _log(" ".join(command))
+        say(" ".join(command))
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         if target.exists():
             shutil.rmtree(target)
@@ -131,13 +131,13 @@ def prepare(folder: Path, data: Path, force: bool) -> dict[str, Any]:
     if folder.exists() and not force:
         try:
             PreparedFolder.load(folder).verify()
-            _log(f"{folder}: prepared already (--force prepares it again)")
+            say(f"{folder}: prepared already (--force prepares it again)")
             return {"command": command, "reused": True}
         except PreparedError as error:
-            _log(f"{folder}: {error}; preparing it again")
+            say(f"{folder}: {error}; preparing it again")
     if folder.exists():
         shutil.rmtree(folder)
-    _log(" ".join(command))
+    say(" ".join(command))
     start = time.time()
     subprocess.run(command, check=True, cwd=REPO)
     return {"command": [c.replace(str(REPO) + "/", "") for c in command],
@@ -214,12 +214,12 @@ def reference(out: Path, steps: int) -> dict[str, Any]:
     folder = out / PREPARED_DIR
     batching = recipe_batching(settings, seed)
     tf_data = check_tf_data(folder, batching, 5)
-    _log(f"tf.data batches against prepared_batches': {tf_data}")
+    say(f"tf.data batches against prepared_batches': {tf_data}")
     assert tf_data["identical"], "the tf.data and numpy batches differ"
 
     model = recipe_model(settings, "float32", jit_compile=False)
     families = check_init_families(model)
-    _log(f"initializer families: {families}")
+    say(f"initializer families: {families}")
     weights = set_initial_weights(model, seed)
     weights["checked_against_keras_init"] = families
     record: dict[str, Any] = {
@@ -257,7 +257,7 @@ def reference(out: Path, steps: int) -> dict[str, Any]:
             record["training"].update(steps=step + 1, seconds=round(time.time() - start, 1),
                                       median_step_seconds=round(statistics.median(times), 3))
             _write_json(partial, record)
-            _log(f"step {step + 1}/{steps}: loss {record['steps'][-1]['loss']:.4f}, "
+            say(f"step {step + 1}/{steps}: loss {record['steps'][-1]['loss']:.4f}, "
                  f"{statistics.median(times):.2f} s/step")
     record["training"]["learning_rate_last"] = float(
         keras.ops.convert_to_numpy(model.optimizer.learning_rate))
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     if "wheels" in parts:
         manifest["wheels"] = download_wheels(out / WHEELS_DIR)
-        _log(f"{len(manifest['wheels']['wheels'])} wheels, left out "
+        say(f"{len(manifest['wheels']['wheels'])} wheels, left out "
              f"{manifest['wheels']['left_out']}")
     if "prepared" in parts:
         manifest["prepared"] = prepare(out / PREPARED_DIR, Path(args.data), args.force)
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     manifest["contents"] = contents(out)  # with bundle.json itself
     _write_json(manifest_path, manifest)
     size = manifest["contents"]["bytes"]
-    _log(f"{out}: {size / 2**20:.2f} MB in {len(manifest['contents']['files'])} files")
+    say(f"{out}: {size / 2**20:.2f} MB in {len(manifest['contents']['files'])} files")
     if size > SIZE_LIMIT:
         raise SystemExit(f"the bundle is {size / 2**20:.1f} MB, over the "
                          f"{SIZE_LIMIT // 2**20} MB limit")

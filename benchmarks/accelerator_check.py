@@ -83,8 +83,8 @@ from benchmarks.accelerator_common import (  # noqa: E402
     REPO,
     STEP_SHAPES,
     Results,
-    _jsonable,
-    _log,
+    jsonable,
+    say,
 )
 from benchmarks.accelerator_report import add_mfu, spec_peak, summary  # noqa: E402
 from benchmarks.accelerator_step import STEP_CHANGES, step_variant, step_worker  # noqa: E402
@@ -239,9 +239,9 @@ def orchestrate(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str,
     with tempfile.TemporaryDirectory() as work:
         if settings["warm"] and parts:
             seconds = settings["budget"] * settings["warm_share"]
-            _log(f"warming the compilation caches: up to {seconds:.0f} s")
+            say(f"warming the compilation caches: up to {seconds:.0f} s")
             report["warm"] = warm_caches(settings, parts, seconds, log_dir, Path(work))
-            _log(f"warm in {report['warm']['seconds']} s: " + ", ".join(
+            say(f"warm in {report['warm']['seconds']} s: " + ", ".join(
                 f"{name} rc {entry['rc']} {entry['seconds']} s"
                 for name, entry in report["warm"]["by_task"].items()))
         for index, part in enumerate(parts):
@@ -251,7 +251,7 @@ def orchestrate(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str,
             if seconds < 10:
                 report["parts"][part] = {"skipped": "time budget"}
                 continue
-            _log(f"part {part}: up to {seconds:.0f} s")
+            say(f"part {part}: up to {seconds:.0f} s")
             data, info = run_part(part, settings, seconds, log_dir, Path(work))
             report["parts"][part] = info
             for key, value in data.items():
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
                    Path(args.worker_out))
         return
     report = orchestrate(args, settings_of(args))
-    text = json.dumps(report, indent=1, default=_jsonable)
+    text = json.dumps(report, indent=1, default=jsonable)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
     print(text)

@@ -41,11 +41,11 @@ class Results:
 
     def save(self) -> None:
         temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self.data, indent=1, default=_jsonable))
+        temporary.write_text(json.dumps(self.data, indent=1, default=jsonable))
         temporary.replace(self.path)
 
 
-def _jsonable(value):
+def jsonable(value):
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
@@ -53,21 +53,21 @@ def _jsonable(value):
     return str(value)
 
 
-def _log(message: str) -> None:
+def say(message: str) -> None:
     print(f"[check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def _left(deadline: float) -> float:
+def seconds_left(deadline: float) -> float:
     return deadline - time.time()
 
 
-def _running() -> dict[str, Any]:
+def running_record() -> dict[str, Any]:
     """What an item's record says while it runs (and after, if its process was killed)."""
     return {"incomplete": "the part's process was stopped while this ran",
             "started": time.time()}
 
 
-def _brief(record: dict[str, Any]) -> str:
+def brief(record: dict[str, Any]) -> str:
     if "step_seconds" not in record:
         return json.dumps(record)[:400]
     return (f"{record['step_seconds'] * 1e3:.2f} ms/step, "

@@ -23,11 +23,11 @@ import numpy as np
 from benchmarks.accelerator_common import (
     STEP_SHAPES,
     Results,
-    _brief,
-    _left,
-    _log,
-    _running,
+    brief,
     jax_device,
+    running_record,
+    say,
+    seconds_left,
 )
 
 # Candidates for a faster step (issue 36's aim), each a change to a preset's step, written
@@ -66,7 +66,7 @@ def step_flops(preset: str, batch: int, source_length: int, target_length: int,
                             config.d_model, config.d_ff, vocab_size)
 
 
-def _timing(window_seconds: list[float], window: int, batch: int, target_length: int,
+def step_timing(window_seconds: list[float], window: int, batch: int, target_length: int,
             flops: float) -> dict[str, Any]:
     step = statistics.median(window_seconds) / window
     return {"step_seconds": step, "window_step_seconds": [s / window for s in window_seconds],
@@ -196,11 +196,11 @@ def keras_step(name: str, settings: dict[str, Any],
               "precision": precision, "first_step_seconds": compile_seconds,
               "warmup_window_seconds": ends[1] - ends[0], "window": window,
               "timed_steps": window * len(window_seconds),
-              **_timing(window_seconds, window, batch, target_length, flops),
+              **step_timing(window_seconds, window, batch, target_length, flops),
               "loss_first_step": first.losses[-1], "loss_last_window": timer.losses[-1],
               "finite": all(math.isfinite(v) for v in [*first.losses, *timer.losses])}
     if name in settings.get("profile", ()):
-        if deadline is not None and _left(deadline) < settings["profile_min_seconds"]:
+        if deadline is not None and seconds_left(deadline) < settings["profile_min_seconds"]:
             result["device_trace"] = {"skipped": "time budget"}
         else:
             try:  # the step's timing above stands whatever the profiler does
@@ -238,19 +238,19 @@ def step_worker(settings: dict[str, Any], deadline: float, results: Results) -> 
 
     results.data["device"] = jax_device()
     results.save()
-    _log(f"device {results.data['device']}")
+    say(f"device {results.data['device']}")
     sizes = settings["matmul_sizes"]
     results.data["matmul_peak"] = jax_matmul_peak(sizes, settings["matmul_flops"])
     results.save()
-    _log(f"matmul peak {results.data['matmul_peak']['tflops_per_second']:.1f} TFLOP/s")
+    say(f"matmul peak {results.data['matmul_peak']['tflops_per_second']:.1f} TFLOP/s")
     results.data["keras_step"] = {}
     for preset in settings["presets"]:
-        if _left(deadline) < settings["min_seconds_per_preset"]:
+        if seconds_left(deadline) < settings["min_seconds_per_preset"]:
             results.data["keras_step"][preset] = {"skipped": "time budget"}
             results.save()
             continue
-        _log(f"keras step {preset} ...")
-        results.data["keras_step"][preset] = _running()
+        say(f"keras step {preset} ...")
+        results.data["keras_step"][preset] = running_record()
         results.save()
         try:
             results.data["keras_step"][preset] = keras_step(preset, settings, deadline)
@@ -258,4 +258,4 @@ def step_worker(settings: dict[str, Any], deadline: float, results: Results) -> 
             results.data["keras_step"][preset] = {"error": f"{type(error).__name__}: {error}"}
             jax.clear_caches()
         results.save()
-        _log(f"keras step {preset}: {_brief(results.data['keras_step'][preset])}")
+        say(f"keras step {preset}: {brief(results.data['keras_step'][preset])}")

@@ -19,12 +19,12 @@ from typing import Any
 from benchmarks.accelerator_common import (
     STEP_SHAPES,
     Results,
-    _brief,
-    _left,
-    _log,
-    _running,
+    brief,
+    running_record,
+    say,
+    seconds_left,
 )
-from benchmarks.accelerator_step import _timing, step_flops, synthetic_batch
+from benchmarks.accelerator_step import step_flops, step_timing, synthetic_batch
 
 
 def torch_worker(settings: dict[str, Any], deadline: float, results: Results) -> None:
@@ -42,16 +42,16 @@ def torch_worker(settings: dict[str, Any], deadline: float, results: Results) ->
     record["matmul_peak"] = torch_matmul_peak(torch, device, settings["matmul_sizes"],
                                               settings["matmul_flops"])
     results.save()
-    _log(f"torch {torch.__version__} on {record['device_name']}: matmul peak "
+    say(f"torch {torch.__version__} on {record['device_name']}: matmul peak "
          f"{record['matmul_peak']['tflops_per_second']:.1f} TFLOP/s")
     for mode, preset in torch_plan(settings):
         needed = settings["min_seconds_per_preset"] * (2 if mode == "compile" else 1)
-        if _left(deadline) < needed:
+        if seconds_left(deadline) < needed:
             record[mode][preset] = {"skipped": "time budget"}
             results.save()
             continue
-        _log(f"torch {mode} {preset} ...")
-        record[mode][preset] = _running()
+        say(f"torch {mode} {preset} ...")
+        record[mode][preset] = running_record()
         results.save()
         try:
             record[mode][preset] = torch_step(torch, device, preset, mode == "compile",
@@ -61,7 +61,7 @@ def torch_worker(settings: dict[str, Any], deadline: float, results: Results) ->
         if device == "cuda":
             torch.cuda.empty_cache()
         results.save()
-        _log(f"torch {mode} {preset}: {_brief(record[mode][preset])}")
+        say(f"torch {mode} {preset}: {brief(record[mode][preset])}")
 
 
 def torch_plan(settings: dict[str, Any]) -> list[tuple[str, str]]:
@@ -226,6 +226,6 @@ def torch_step(torch, device: str, preset: str, compiled: bool,
             "precision": "bfloat16 autocast", "fused_adam": fused,
             "first_step_seconds": first_step, "window": window,
             "timed_steps": window * windows,
-            **_timing(window_seconds, window, batch, target_length, flops),
+            **step_timing(window_seconds, window, batch, target_length, flops),
             "loss_first_step": first_loss, "loss_last_window": last_loss,
             "finite": math.isfinite(first_loss) and math.isfinite(last_loss)}

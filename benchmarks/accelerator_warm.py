@@ -19,7 +19,7 @@ from benchmarks.accelerator_agreement import (
     recipe_model,
     set_initial_weights,
 )
-from benchmarks.accelerator_common import REFERENCE_FILE, Results, _left
+from benchmarks.accelerator_common import REFERENCE_FILE, Results, seconds_left
 from benchmarks.accelerator_step import keras_step
 from benchmarks.accelerator_torch import torch_step
 
@@ -40,7 +40,7 @@ def warm_worker(settings: dict[str, Any], deadline: float, results: Results) -> 
         batches = recipe_batches(bundle / reference["prepared"]["folder"],
                                  reference["batches"])
         for _ in range(min(settings["agreement_steps"], len(reference["steps"]))):
-            if not wanted or _left(deadline) < 1:
+            if not wanted or seconds_left(deadline) < 1:
                 break
             features, labels = next(batches)
             if _shape_key(features) in wanted:
