@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
+# (On sys.path already: the scripts that import this module put it there first.)
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 DEFAULT_BUNDLE = REPO / "build" / "accelerator_bundle"
 REFERENCE_FILE = "reference.json"
