@@ -27,9 +27,17 @@ THREE_SOURCES = _curve([5.530, 4.746, 4.315, 4.030, 3.721, 3.379, 3.173, 3.067, 
                         2.669])
 
 
+# The `multi30k` recipe on the news pairs, newstest-deen (BENCHMARKS.md, issue 39): under-trained,
+# its val loss falling at every validation to 4,200 steps (the run reported 5.9% and ~3.580
+# after 8,400 steps from the unrounded losses).
+NEWS = _curve([7.008, 6.643, 6.264, 5.982, 5.678, 5.467, 5.395, 5.328, 5.213, 5.197, 5.129,
+               5.074, 5.045, 4.963, 4.936, 4.855, 4.818, 4.756, 4.732, 4.727, 4.642])
+
+
 @pytest.mark.parametrize(("curve", "best_before", "last", "projected_range"), [
     (EN_DE, 2.724, 2.695, (2.5, 2.695)),  # lower than now, not absurdly so
     (THREE_SOURCES, 2.745, 2.669, (2.606, 2.626)),
+    (NEWS, 4.936, 4.642, (3.55, 3.61)),
 ])
 def test_a_curve_still_falling_at_its_end_is_reported_with_a_projection(
         curve, best_before, last, projected_range):
@@ -177,6 +185,27 @@ def test_a_curve_still_falling_before_its_cooldown_is_still_improving():
     # Projected from the curve before the cooldown: no lower than that curve's trend allows.
     assert 2.5 < report["projected_val_loss_at_twice_the_steps"] < 2.695
     assert "at step 8,600, where a run of twice the steps would start its cooldown" in (
+        report["message"])
+
+
+# `--recipe auto` on the news pairs at its 60-minute plan (BENCHMARKS.md, issue 39; a Xeon,
+# 2026-11-29): 4,150 steps, the cooldown from step 3,320, the loss still falling before it.
+AUTO_NEWS = [(200, 7.103), (400, 6.692), (600, 6.353), (800, 5.996), (1000, 5.772),
+             (1200, 5.536), (1400, 5.424), (1600, 5.365), (1800, 5.295), (2000, 5.258),
+             (2200, 5.220), (2400, 5.149), (2600, 5.103), (2800, 5.059), (3000, 5.008),
+             (3200, 4.944), (3400, 4.892), (3600, 4.836), (3800, 4.786), (4000, 4.763),
+             (4150, 4.761)]
+
+
+def test_the_auto_news_run_was_still_improving_before_its_cooldown():
+    report = convergence_report(AUTO_NEWS, cooldown_from=4150 * (1 - 0.2))
+    assert report["verdict"] == "still improving"
+    assert report["cooldown_from_step"] == 3320
+    # The last 25% of the steps before the cooldown (3,200) against the best before them.
+    assert report["tail_improvement"] == pytest.approx((5.149 - 4.944) / 5.149, abs=1e-5)
+    assert report["cooldown_gain"] == pytest.approx((4.944 - 4.761) / 4.944, abs=1e-5)
+    assert 4.0 < report["projected_val_loss_at_twice_the_steps"] < 4.944
+    assert "at step 6,640, where a run of twice the steps would start its cooldown" in (
         report["message"])
 
 
