@@ -190,11 +190,9 @@ def test_a_curve_still_falling_before_its_cooldown_is_still_improving():
 
 # `--recipe auto` on the news pairs at its 60-minute plan (BENCHMARKS.md, issue 39; a Xeon,
 # 2026-11-29): 4,150 steps, the cooldown from step 3,320, the loss still falling before it.
-AUTO_NEWS = [(200, 7.103), (400, 6.692), (600, 6.353), (800, 5.996), (1000, 5.772),
-             (1200, 5.536), (1400, 5.424), (1600, 5.365), (1800, 5.295), (2000, 5.258),
-             (2200, 5.220), (2400, 5.149), (2600, 5.103), (2800, 5.059), (3000, 5.008),
-             (3200, 4.944), (3400, 4.892), (3600, 4.836), (3800, 4.786), (4000, 4.763),
-             (4150, 4.761)]
+AUTO_NEWS = _curve([7.103, 6.692, 6.353, 5.996, 5.772, 5.536, 5.424, 5.365, 5.295, 5.258,
+                    5.220, 5.149, 5.103, 5.059, 5.008, 4.944, 4.892, 4.836, 4.786,
+                    4.763]) + [(4150, 4.761)]
 
 
 def test_the_auto_news_run_was_still_improving_before_its_cooldown():
