@@ -46,10 +46,24 @@ RUN_OVERHEAD = 1.12
 # two idle `auto` runs' whole end, 170 and 250 s at steps of 0.443 and 0.730 s;
 # BENCHMARKS.md). The larger, so that the end fits the budget on each machine.
 DECODE_STEPS_PER_SENTENCE = 0.020
+# ... of a Multi30k val sentence (mean 11.4 source words; 144.8 their mean square). Longer
+# sentences cost more than their length: on the Xeon, a val sentence of newstest2013 (mean
+# 18.2 words, mean square 451.5) took 3.5x one of Multi30k (the `multi30k` recipe's news run:
+# 33.7 min for its 11 beam-4-equivalent val decodings of 3,000 sentences, the test and the
+# export, against 10.3 planned). Decoding steps grow with the length, each step's attention
+# with it, and the beams of a model far from converged finish later (the same 300 Multi30k
+# sentences: 1.8x slower with the news model than with a better-trained one). The mean
+# square of the source words, relative to Multi30k's, gives 3.1x there; at least 1, as
+# shorter sentences than Multi30k's are not measured to be cheaper in proportion (the news
+# model: 31 ms a sentence of 6 words, 40 of 10, 66 of 14; BENCHMARKS.md).
+MULTI30K_VAL_SQUARED_WORDS = 144.8
+MIN_VAL_SENTENCES = 1000  # a shrunk val sample: Multi30k's val size, where the grid was chosen
 STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
 EXPORT_SECONDS = 45.0  # model.keras and the SavedModel (tracing its signatures)
 PREPARE_SECONDS = (10.0, 10.0)  # + per million words: the tokenizer and the token shards
-END_SHARE = 0.15  # the val grid shrinks to beam 4 where the end would take more of the budget
+# The val grid shrinks to beam 4, then to a sample of val, where the end would take more of
+# the budget.
+END_SHARE = 0.15
 # Settings that only say where and how the run writes: not part of what auto plans.
 _NOT_PLANNED = {"out", "overwrite", "resume", "verbose", "no_export", "export_dir",
                 "join_timeout", "backup_every", "keep_backups"}
@@ -276,7 +290,8 @@ def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
     prepare = PREPARE_SECONDS[0] + PREPARE_SECONDS[1] * stats.words / 1e6
     grid = _decoding_grid(trial, corpora, budget_seconds, step_seconds)
     end = _end_seconds(trial, corpora, step_seconds,
-                       grid["val_beams"].value if grid else None)
+                       grid["val_beams"].value if "val_beams" in grid else None,
+                       grid["val_sentences"].value if "val_sentences" in grid else None)
     training = budget_seconds - spent - prepare - end
     if training < max(60.0, 50 * run_step):
         needed = (spent + prepare + end + max(60.0, 50 * run_step)) / 60
@@ -336,11 +351,27 @@ def _decode_units(evaluation: EvaluationConfig, beams: str | None = None
     return val, max(_decoding_cost(*key) for key in grid | {chosen})
 
 
+def length_factor(corpus: Any, limit: int = 0) -> float:
+    """The decoding cost of a sentence of `corpus` (its first `limit`, 0: all) relative to
+    one of Multi30k's val: the mean square of the source words over
+    `MULTI30K_VAL_SQUARED_WORDS`, at least 1 (1 for an object without sources)."""
+    sources = getattr(corpus, "sources", None)
+    if not sources:
+        return 1.0
+    sources = sources[:limit] if limit else sources
+    squares = sum(len(sentence.split()) ** 2 for sentence in sources) / len(sources)
+    return max(1.0, squares / MULTI30K_VAL_SQUARED_WORDS)
+
+
 def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: float,
-                 beams: str | None = None) -> float:
-    """The val choices, the test translations and the export, estimated."""
-    val = len(corpora["val"])
+                 beams: str | None = None, val_sentences: int | None = None) -> float:
+    """The val choices, the test translations and the export, estimated. `beams` and
+    `val_sentences` stand for the settings when the plan shrinks them."""
+    sample = trial.evaluation.val_sentences if val_sentences is None else val_sentences
+    val = min(len(corpora["val"]), sample or len(corpora["val"]))
+    val *= length_factor(corpora["val"])
     tests = sum(min(len(corpus), trial.data.test_limit or len(corpus))
+                * length_factor(corpus, trial.data.test_limit)
                 for role, corpus in corpora.items()
                 if role == "test" or role.startswith("test:"))
     val_units, test_units = _decode_units(trial.evaluation, beams)
@@ -352,16 +383,36 @@ def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: floa
 
 def _decoding_grid(trial: TrainConfig, corpora: dict[str, Any], budget_seconds: float,
                    step_seconds: float) -> dict[str, Choice]:
-    """Beam 4 alone in the val grid when the full grid's end would take more than
-    `END_SHARE` of a minutes budget."""
-    if "val_beams" in trial.given:
-        return {}
+    """Where the end would take more than `END_SHARE` of a minutes budget: beam 4 alone in
+    the val grid, then, if it still would, the val sample that fits (at least
+    `MIN_VAL_SENTENCES`). Flags given stay."""
+    share = END_SHARE * budget_seconds
     full = _end_seconds(trial, corpora, step_seconds)
-    if full <= END_SHARE * budget_seconds:
+    if full <= share or trial.evaluation.choose_by != "bleu":
         return {}
-    return {"val_beams": Choice("4", f"the full grid's end (~{full / 60:.1f} min) would take "
-                                f"over {END_SHARE:.0%} of the budget: beam 4 only (beam 6 won "
-                                "nothing on val in issue 29)")}
+    choices, beams = {}, None
+    if "val_beams" not in trial.given:
+        beams = "4"
+        choices["val_beams"] = Choice(beams, f"the full grid's end (~{full / 60:.1f} min) "
+                                      f"would take over {END_SHARE:.0%} of the budget: beam 4 "
+                                      "only (beam 6 won nothing on val in issue 29)")
+    total = len(corpora["val"])
+    end = _end_seconds(trial, corpora, step_seconds, beams)
+    if (end <= share or "val_sentences" in trial.given or trial.evaluation.val_sentences
+            or total <= MIN_VAL_SENTENCES):
+        return choices
+    # The end is linear in the val sentences decoded: as many as fit, in hundreds.
+    least = _end_seconds(trial, corpora, step_seconds, beams, MIN_VAL_SENTENCES)
+    per_sentence = (end - least) / (total - MIN_VAL_SENTENCES)
+    fits = MIN_VAL_SENTENCES + max(0.0, share - least) / per_sentence
+    count = max(MIN_VAL_SENTENCES, int(fits // 100) * 100)
+    choices["val_sentences"] = Choice(count, (
+        f"the end {'at beam 4' if beams else 'of this grid'} (~{end / 60:.1f} min) would "
+        f"still take over {END_SHARE:.0%} of "
+        f"the budget: the choices decode {count:,} of the {total:,} val sentences, spread "
+        f"evenly (~{_end_seconds(trial, corpora, step_seconds, beams, count) / 60:.1f} min; "
+        f"at least {MIN_VAL_SENTENCES:,})"))
+    return choices
 
 
 def _apply(config: TrainConfig, choices: dict[str, Choice]) -> TrainConfig:

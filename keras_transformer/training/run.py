@@ -296,7 +296,9 @@ def _describe_bleu_choice(evaluation: EvaluationConfig) -> str:
                                   evaluation.val_alphas)
     return (f"final weights chosen by val BLEU (beam {evaluation.beam}, alpha "
             f"{evaluation.alpha:g}), then test's beam and alpha among beams "
-            f"{', '.join(map(str, beams))} x alphas {', '.join(f'{a:g}' for a in alphas)}")
+            f"{', '.join(map(str, beams))} x alphas {', '.join(f'{a:g}' for a in alphas)}"
+            + (f", on {evaluation.val_sentences:,} val sentences spread evenly"
+               if evaluation.val_sentences else ""))
 
 
 def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, Any],

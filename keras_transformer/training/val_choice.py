@@ -45,6 +45,21 @@ def decoding_grid(beam: int, alpha: float, val_beams: str, val_alphas: str
     return beams, alphas
 
 
+def val_sample(val, count: int) -> tuple[list[str], list[str]]:
+    """`count` pairs of the val split spread evenly over it, in order (all of it when
+    `count` is 0 or at least its size): a sample of every part of a split kept in document
+    order, such as a news test set's, where its first lines would be a few articles.
+
+    Returns:
+        (sources, references).
+    """
+    total = len(val.sources)
+    if not count or count >= total:
+        return list(val.sources), list(val.targets)
+    rows = [index * total // count for index in range(count)]
+    return [val.sources[row] for row in rows], [val.targets[row] for row in rows]
+
+
 def setting_key(beam: int, alpha: float) -> tuple[int, float | None]:
     """What identifies a decoding: greedy search (beam 1) ignores the length penalty."""
     return beam, (alpha if beam > 1 else None)
@@ -116,7 +131,8 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
     Args:
         model: a model of the run's architecture; holds the chosen weights on return.
         tokenizer: the run's `SubwordTokenizer`.
-        val: the validation `ParallelCorpus` (all of it is decoded).
+        val: the validation `ParallelCorpus`: all of it is decoded, or the
+            `--val-sentences` of it that `val_sample` spreads over it.
         checkpoint_dir: the run's `checkpoints/`.
         best_step: the step of the best validation loss during training (None: unknown).
         evaluation: the run's `EvaluationConfig`.
@@ -126,10 +142,12 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
     Returns:
         (what `choose_final_weights` returns, what `choose_decoding` returns).
     """
-    sources, references = val.sources, val.targets
+    sources, references = val_sample(val, evaluation.val_sentences)
     beam, alpha = evaluation.beam, evaluation.alpha
-    _LOG.info(f"choosing the final weights on val BLEU ({len(sources)} {val.split} sentences, "
-              f"beam {beam}, alpha {alpha:g}): one decoding per candidate ...")
+    which = (f"{len(sources)} {val.split} sentences" if len(sources) == len(val.sources) else
+             f"{len(sources)} of the {len(val.sources)} {val.split} sentences, spread evenly")
+    _LOG.info(f"choosing the final weights on val BLEU ({which}, beam {beam}, alpha "
+              f"{alpha:g}): one decoding per candidate ...")
     scored: list[dict[str, Any]] = []  # each candidate's scores, in the order scored
 
     def val_bleu(candidate: keras.Model) -> float:
@@ -144,6 +162,8 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
     known = {setting_key(beam, alpha): scored[names.index(choice["chosen"])]}
     beams, alphas = decoding_grid(beam, alpha, evaluation.val_beams, evaluation.val_alphas)
     decoding = choose_decoding(model, tokenizer, sources, references, beams, alphas, known)
+    if len(sources) < len(val.sources):
+        decoding["val_sentences"] = len(sources)
     _LOG.info(f"chosen on {val.split}: {describe_decoding(decoding)}")
     return choice, decoding
 
@@ -154,4 +174,6 @@ def describe_decoding(decoding: Mapping[str, Any]) -> str:
     return (f"beam {decoding['beam']}, alpha {decoding['alpha']:g} for test and the export: "
             f"{'highest' if count > 1 else 'the only setting tried,'} {decoding['chosen_by']}"
             f" {decoding['val_bleu']:.2f}"
-            + (f" of {count} settings tried" if count > 1 else ""))
+            + (f" of {count} settings tried" if count > 1 else "")
+            + (f" on {decoding['val_sentences']:,} val sentences"
+               if "val_sentences" in decoding else ""))

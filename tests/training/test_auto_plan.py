@@ -5,8 +5,10 @@ one tiny end-to-end run whose results.json reports its budget."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,10 @@ from keras_transformer.training import auto_plan, run_data
 from keras_transformer.training import auto_recipe as rules
 from keras_transformer.training.config import train_config
 from keras_transformer.training.run import run_training
+from pipelines.corpora import ParallelCorpus
 from tests.cli.test_train import write_toy_corpus
+
+NEWS = Path(__file__).resolve().parents[2].parent / "shared/data/newstest-deen"
 
 # A tiny model under --recipe auto: the preset is left to auto (small), its sizes given (the
 # schedule follows them). --vocab-size is given (the toy languages' ~120 distinct words would
@@ -212,6 +217,64 @@ def test_the_end_is_planned_as_long_as_it_took(step_seconds, measured_end):
     corpora = {"val": range(1014), "test": range(1000)}
     planned = auto_plan._end_seconds(trial, corpora, step_seconds)
     assert measured_end * 0.95 < planned < measured_end * 1.1
+
+
+def read_split(folder: Path, split: str) -> ParallelCorpus:
+    """A real de-en split, read as the run reads it (one pair a line)."""
+    if not (folder / f"{split}.de.gz").is_file():
+        pytest.fail(f"no {folder / split}.de.gz: the project's data sits beside the repository")
+    lines = {lang: gzip.open(folder / f"{split}.{lang}.gz", "rt", encoding="utf-8")
+             .read().splitlines() for lang in ("de", "en")}
+    return ParallelCorpus(lines["de"], lines["en"], "de", "en", split, str(folder))
+
+
+@pytest.fixture(scope="module")
+def news_splits():
+    """newstest2013 (val) and newstest2014 (test): 3,000 news sentences of 18.2 words each."""
+    return {"val": read_split(NEWS, "val"), "test": read_split(NEWS, "test")}
+
+
+def test_long_sentences_are_planned_as_long_as_they_took(news_splits, multi30k_dir):
+    # The `multi30k` recipe on the news pairs (the Intel Xeon, BENCHMARKS.md, issue 39):
+    # 11 beam-4-equivalent val decodings of 3,000 sentences (3 weight candidates, the rest of
+    # the 4,6 x 0.6,1.0,1.4 grid), the 3,003 test sentences at beam 6, alpha 1.0 and the
+    # export took 2,022 s, the machine idle, where a step of news pairs takes ~0.73 s. The
+    # plan counted Multi30k's cost a sentence: 10.3 min.
+    assert auto_plan.length_factor(news_splits["val"]) == pytest.approx(451.5 / 144.8, rel=1e-3)
+    assert auto_plan.length_factor(news_splits["test"], 100) != auto_plan.length_factor(
+        news_splits["test"])  # the sentences the test decodes
+    assert auto_plan.length_factor(read_split(multi30k_dir, "val")) == pytest.approx(1.0, abs=1e-3)
+    assert auto_plan.length_factor(range(10)) == 1.0  # no sentences: Multi30k's
+    trial = train_config(recipe="multi30k", data="d", src="de", tgt="en", out="o")
+    planned = auto_plan._end_seconds(trial, news_splits, 0.73)
+    assert 2022 * 0.9 < planned < 2022 * 1.1, planned
+
+
+def test_a_long_val_split_is_sampled_where_its_end_would_not_fit(corpus, news_splits,
+                                                                 tmp_path):
+    """An hour on the news pairs' val and test: the grid shrinks to beam 4, then its choices
+    decode a sample of val, so that the end takes at most 15% of the budget. (The toy train
+    split is counted; a step of the `small` model's 4,096 tokens is assumed.)"""
+    flags = dict(src="xx", tgt="yy", vocab_size=300, precision="float32")
+    corpora = {**run_data.load_corpora(train_config(data=str(corpus), out=str(tmp_path / "r"),
+                                                    **flags)), **news_splits}
+    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=60,
+                     assume_step_seconds=0.73, **flags)
+    assert value(result, "val_beams") == "4"
+    sample = value(result, "val_sentences")
+    assert auto_plan.MIN_VAL_SENTENCES <= sample < 3000 and sample % 100 == 0
+    assert result.config.evaluation.val_sentences == sample
+    end = auto_plan._end_seconds(result.config, corpora, 0.73)
+    assert end <= auto_plan.END_SHARE * 3600 or sample == auto_plan.MIN_VAL_SENTENCES
+    assert f"~{end / 60:.1f} to the val choices" in result.record["plan_text"]
+    # A budget whose end fits keeps every val sentence, and a given flag wins.
+    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=300,
+                     assume_step_seconds=0.73, **flags)
+    assert "val_sentences" not in result.record["choices"]
+    assert result.config.evaluation.val_sentences == 0
+    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=60,
+                     assume_step_seconds=0.73, val_sentences=2000, **flags)
+    assert result.config.evaluation.val_sentences == 2000
 
 
 def test_the_end_counts_the_decodings_the_run_makes():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from keras_transformer.model.transformer import build_transformer
+from keras_transformer.training import val_choice
 from keras_transformer.training.checkpoints import checkpoint_path, save_model_weights
 from keras_transformer.training.config import train_config
 from keras_transformer.training.final_weights import (
@@ -19,7 +20,13 @@ from keras_transformer.training.final_weights import (
     choose_final_weights,
 )
 from keras_transformer.training.run import finish_run
-from keras_transformer.training.val_choice import choose_decoding, decoding_grid
+from keras_transformer.training.val_choice import (
+    choose_decoding,
+    choose_on_val_bleu,
+    decoding_grid,
+    describe_decoding,
+    val_sample,
+)
 from pipelines.corpora import ParallelCorpus
 from tests.training.test_checkpoints import _model_with_constant_weights
 
@@ -80,6 +87,53 @@ def test_bleu_ties_go_to_the_average_and_the_loss_wording_is_unchanged(constant_
 def test_decoding_grid_sorts_beams_and_keeps_the_alphas_order():
     assert decoding_grid(4, 0.6, "", "") == ([4], [0.6])
     assert decoding_grid(4, 0.6, "6,2, 4,2", "1.0,0.6,1") == ([2, 4, 6], [1.0, 0.6])
+
+
+def _synthetic_val(count: int) -> ParallelCorpus:
+    return ParallelCorpus([f"s{i}" for i in range(count)], [f"t{i}" for i in range(count)],
+                          "de", "en", "val", "synthetic")
+
+
+def test_val_sample_spreads_evenly_and_keeps_the_pairs_together():
+    val = _synthetic_val(10)
+    assert val_sample(val, 4) == (["s0", "s2", "s5", "s7"], ["t0", "t2", "t5", "t7"])
+    sources, references = val_sample(_synthetic_val(3000), 1000)
+    assert (len(sources), sources[:3], sources[-1]) == (1000, ["s0", "s3", "s6"], "s2997")
+    assert [s[1:] for s in sources] == [r[1:] for r in references]
+    for everything in (0, 10, 11):
+        assert val_sample(val, everything) == (val.sources, val.targets)
+
+
+def test_val_sentences_make_every_choice_on_the_same_sample(constant_checkpoints,
+                                                            monkeypatch, caplog):
+    """The weight candidates and the beam/alpha grid all decode the same 4 of 10 pairs."""
+    decoded = []
+
+    def score(candidate, tokenizer, sources, references, beam, alpha):
+        decoded.append((list(sources), list(references)))
+        return {"bleu": 50.0 - abs(_weight(candidate) - 9.0) - alpha, "bleu_bp": 1.0}
+
+    monkeypatch.setattr(val_choice, "score_decoding", score)
+    caplog.set_level("INFO", logger="keras_transformer")
+    evaluation = train_config(data="d", src="de", tgt="en", out="o", choose_by="bleu", beam=4,
+                              alpha=0.6, val_beams="4,6", val_alphas="0.6,1.0",
+                              val_sentences=4, average_last=3).evaluation
+    choice, decoding = choose_on_val_bleu(_model_with_constant_weights(0.0), None,
+                                          _synthetic_val(10), constant_checkpoints, 400,
+                                          evaluation)
+    # 4 candidates, then the 3 grid settings not decoded yet.
+    assert len(decoded) == 7
+    assert all(d == (["s0", "s2", "s5", "s7"], ["t0", "t2", "t5", "t7"]) for d in decoded)
+    assert choice["chosen"] == "last" and (decoding["beam"], decoding["alpha"]) == (4, 0.6)
+    assert decoding["val_sentences"] == 4
+    assert describe_decoding(decoding).endswith("of 4 settings tried on 4 val sentences")
+    assert "(4 of the 10 val sentences, spread evenly, beam 4" in caplog.text
+    # Without a sample: every pair, and the record says nothing of a sample.
+    decoded.clear()
+    evaluation.val_sentences = 0
+    _, decoding = choose_on_val_bleu(_model_with_constant_weights(0.0), None,
+                                     _synthetic_val(10), constant_checkpoints, 400, evaluation)
+    assert {len(sources) for sources, _ in decoded} == {10} and "val_sentences" not in decoding
 
 
 def _scores(bleu: float, bp: float = 1.0) -> dict[str, float]:

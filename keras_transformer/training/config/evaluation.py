@@ -38,3 +38,6 @@ class EvaluationConfig:
                               "comma-separated (default: --beam)", check=int_list)
     val_alphas: str = setting("", "with --choose-by bleu: length penalties tried on val, "
                                "comma-separated (default: --alpha)", check=float_list)
+    val_sentences: int = setting(
+        0, "with --choose-by bleu: decode N val sentences, spread evenly over the split, for "
+        "those choices (0 = all; validation loss reads them all)", non_negative)
