@@ -50,12 +50,13 @@ DECODE_STEPS_PER_SENTENCE = 0.020
 # sentences cost more than their length: on the Xeon, a val sentence of newstest2013 (mean
 # 18.2 words, mean square 451.5) took 3.5x one of Multi30k (the `multi30k` recipe's news run:
 # 33.7 min for its 11 beam-4-equivalent val decodings of 3,000 sentences, the test and the
-# export, against 10.3 planned). Decoding steps grow with the length, each step's attention
-# with it, and the beams of a model far from converged finish later (the same 300 Multi30k
-# sentences: 1.8x slower with the news model than with a better-trained one). The mean
-# square of the source words, relative to Multi30k's, gives 3.1x there; at least 1, as
-# shorter sentences than Multi30k's are not measured to be cheaper in proportion (the news
-# model: 31 ms a sentence of 6 words, 40 of 10, 66 of 14; BENCHMARKS.md).
+# export, against 10.3 planned). Two things make it (`benchmarks/decode_by_length.py`): the
+# length (one model: 35 ms a sentence of 6 words, 48 of 10, 100 of 18, 244 of 41) and the
+# model (Multi30k's val sentences: 46 ms with the news model, far from converged, whose beams
+# finish later; 27 with a Multi30k model). The mean square of the source words, relative to
+# Multi30k's, gives 3.1x there: a fit of the two corpora measured, not a model of decoding.
+# At least 1, as sentences shorter than Multi30k's are not measured to be cheaper in
+# proportion (the cost above flattens at the short end).
 MULTI30K_VAL_SQUARED_WORDS = 144.8
 MIN_VAL_SENTENCES = 1000  # a shrunk val sample: Multi30k's val size, where the grid was chosen
 STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
