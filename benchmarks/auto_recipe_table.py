@@ -30,7 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from keras_transformer.training import auto_plan  # noqa: E402
 from keras_transformer.training.config import train_config  # noqa: E402
 from keras_transformer.training.precision import resolve_precision  # noqa: E402
-from pipelines.corpora import open_corpus  # noqa: E402
+from pipelines.corpora import ParallelCorpus, load_corpus, open_corpus  # noqa: E402
 from pipelines.corpus_statistics import CorpusStatistics, corpus_statistics  # noqa: E402
 
 
@@ -50,11 +50,12 @@ def counted(data: Path, folder: str, sources: str, limit: int | None = None
     return corpus_statistics(itertools.islice(pairs, limit))
 
 
-def plan(stats: CorpusStatistics, minutes: float, step_seconds, val: int, test: int) -> dict:
+def plan(stats: CorpusStatistics, minutes: float, step_seconds,
+         splits: dict[str, ParallelCorpus]) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         config = train_config(recipe="auto", budget_minutes=minutes, data="unused", src="de",
                               tgt="en", out=str(Path(scratch) / "run"))
-        corpora = {"val": range(val), "test": range(test)}
+        corpora = dict(splits)  # their sentences' lengths enter the end's estimate
         result = auto_plan.plan_run(config, corpora, replicas=1, workers=1,
                                     started=time.perf_counter() - 20.0,  # start-up, counting
                                     precision=resolve_precision("auto"), jit=False,
@@ -86,43 +87,51 @@ def main() -> None:
             return cache[key]
         return seconds
 
+    # The val and test splits each row's run decodes: Multi30k's, or newstest2013/2014 for
+    # news and WMT-like corpora (WMT14's own val and test).
+    splits = {folder: {role: load_corpus(args.data / folder, role, "de", "en")
+                       for role in ("val", "test")}
+              for folder in ("multi30k", "newstest-deen")}
+    caption, news = splits["multi30k"], splits["newstest-deen"]
     multi30k = counted(args.data, "multi30k", "de")
     wmt = heaps(4_500_000, 24.4, multi30k)
     rows = [
         ("Multi30k de-en, first 10,000 pairs", counted(args.data, "multi30k", "de", 10_000),
-         args.minutes, "measured here", None, 1014, 1000),
-        ("Multi30k de-en", multi30k, args.minutes, "measured here", None, 1014, 1000),
+         args.minutes, "measured here", None, caption),
+        ("Multi30k de-en", multi30k, args.minutes, "measured here", None, caption),
         ("WMT news de-en (newstest-deen)", counted(args.data, "newstest-deen", "de"),
-         args.minutes, "measured here", None, 3000, 3003),
+         args.minutes, "measured here", None, news),
         ("Multi30k de+fr+cs-en", counted(args.data, "multi30k", "de,fr,cs"), args.minutes,
-         "measured here", None, 1014, 1000),
+         "measured here", None, caption),
         ("100,000 pairs (scaled)", heaps(100_000, 11.5, multi30k), args.minutes,
-         "measured here", None, 1014, 1000),
+         "measured here", None, caption),
         ("300,000 pairs (scaled)", heaps(300_000, 11.5, multi30k), args.minutes,
-         "measured here", None, 1014, 1000),
+         "measured here", None, caption),
         ("1M pairs, WMT-like (extrapolated)", heaps(1_000_000, 24.4, multi30k), 240.0,
          "one H200, assumed: base 0.040 s", {"small": 0.012, "base": 0.040, "big": 0.088},
-         3000, 3003),
+         news),
         ("4.5M pairs, WMT14 (extrapolated)", wmt, 720.0,
          "8 P100s, assumed: base 0.4 s, big 1.0 s (6.1)", {"base": 0.4, "big": 1.0,
-                                                           "small": 0.2}, 3000, 3003),
+                                                           "small": 0.2}, news),
         ("4.5M pairs, WMT14 (extrapolated)", wmt, 84 * 60.0,
          "8 P100s, assumed: base 0.4 s, big 1.0 s (6.1)", {"base": 0.4, "big": 1.0,
-                                                           "small": 0.2}, 3000, 3003),
+                                                           "small": 0.2}, news),
     ]
     print(f"precision here: {precision}\n")
     print("| corpus | pairs | words | budget | step time | preset | vocabulary | dropout | "
           "tokens a step | steps | passes | warmup | lr scale | val beams |")
     print("|" + "---|" * 14)
-    for name, stats, minutes, how, assumed, val, test in rows:
+    for name, stats, minutes, how, assumed, row_splits in rows:
         step = measured(stats) if assumed is None else (
             lambda trial, table=assumed: table[trial.model.preset])
-        chosen = plan(stats, minutes, step, val, test)
+        chosen = plan(stats, minutes, step, row_splits)
         steps = f"{chosen['max_steps']:,}" + (" (capped)" if chosen["capped"] else "")
         print(f"| {name} | {stats.pairs:,} | {stats.words:,} | {minutes / 60:g} h | {how} | "
               f"{chosen['preset']} | {chosen['vocab_size']:,} | {chosen['dropout']} | "
               f"{chosen['tokens_per_step']:,} | {steps} | {chosen['passes']:.0f} | "
-              f"{chosen['warmup_steps']:,} | {chosen['lr_scale']} | {chosen['val_beams']} |")
+              f"{chosen['warmup_steps']:,} | {chosen['lr_scale']} | {chosen['val_beams']}"
+              + (f", on {chosen['val_sentences']:,} val sentences" if "val_sentences" in chosen
+                 else "") + " |")
     print("\nmeasured step seconds:", {f"{k[0]} v{k[1]} t{k[2]} w{k[3]}": round(v, 3)
                                        for k, v in cache.items()})
 

@@ -46,18 +46,20 @@ RUN_OVERHEAD = 1.12
 # two idle `auto` runs' whole end, 170 and 250 s at steps of 0.443 and 0.730 s;
 # BENCHMARKS.md). The larger, so that the end fits the budget on each machine.
 DECODE_STEPS_PER_SENTENCE = 0.020
-# ... of a Multi30k val sentence (mean 11.4 source words; 144.8 their mean square). Longer
-# sentences cost more than their length: on the Xeon, a val sentence of newstest2013 (mean
-# 18.2 words, mean square 451.5) took 3.5x one of Multi30k (the `multi30k` recipe's news run:
+# ... of a Multi30k de->en val sentence (12.0 words a reference; 157.7 their mean square).
+# Longer sentences cost more than their length: on the Xeon, a val sentence of newstest2013
+# (18.7 words a reference) took 3.5x one of Multi30k (the `multi30k` recipe's news run:
 # 33.7 min for its 11 beam-4-equivalent val decodings of 3,000 sentences, the test and the
 # export, against 10.3 planned). Two things make it (`benchmarks/decode_by_length.py`): the
 # length (one model: 35 ms a sentence of 6 words, 48 of 10, 100 of 18, 244 of 41) and the
 # model (Multi30k's val sentences: 46 ms with the news model, far from converged, whose beams
-# finish later; 27 with a Multi30k model). The mean square of the source words, relative to
-# Multi30k's, gives 3.1x there: a fit of the two corpora measured, not a model of decoding.
-# At least 1, as sentences shorter than Multi30k's are not measured to be cheaper in
-# proportion (the cost above flattens at the short end).
-MULTI30K_VAL_SQUARED_WORDS = 144.8
+# finish later; 27 with a Multi30k model). The mean square of the reference words, relative
+# to Multi30k's, gives 3.0x there: a fit of the two corpora measured, not a model of
+# decoding. The references, so that every source language of a many-to-one run counts
+# alike, and a source without spaces between words too. At least 1, as sentences shorter
+# than Multi30k's are not measured to be cheaper in proportion (the cost above flattens at
+# the short end).
+MULTI30K_VAL_SQUARED_WORDS = 157.7
 MIN_VAL_SENTENCES = 1000  # a shrunk val sample: Multi30k's val size, where the grid was chosen
 STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
 EXPORT_SECONDS = 45.0  # model.keras and the SavedModel (tracing its signatures)
@@ -354,13 +356,13 @@ def _decode_units(evaluation: EvaluationConfig, beams: str | None = None
 
 def length_factor(corpus: Any, limit: int = 0) -> float:
     """The decoding cost of a sentence of `corpus` (its first `limit`, 0: all) relative to
-    one of Multi30k's val: the mean square of the source words over
-    `MULTI30K_VAL_SQUARED_WORDS`, at least 1 (1 for an object without sources)."""
-    sources = getattr(corpus, "sources", None)
-    if not sources:
+    one of Multi30k's val: the mean square of its references' words (whitespace-separated)
+    over `MULTI30K_VAL_SQUARED_WORDS`, at least 1 (1 for an object without references)."""
+    references = getattr(corpus, "targets", None)
+    if not references:
         return 1.0
-    sources = sources[:limit] if limit else sources
-    squares = sum(len(sentence.split()) ** 2 for sentence in sources) / len(sources)
+    references = references[:limit] if limit else references
+    squares = sum(len(sentence.split()) ** 2 for sentence in references) / len(references)
     return max(1.0, squares / MULTI30K_VAL_SQUARED_WORDS)
 
 
@@ -369,6 +371,8 @@ def _end_seconds(trial: TrainConfig, corpora: dict[str, Any], step_seconds: floa
     """The val choices, the test translations and the export, estimated. `beams` and
     `val_sentences` stand for the settings when the plan shrinks them."""
     sample = trial.evaluation.val_sentences if val_sentences is None else val_sentences
+    if trial.evaluation.choose_by != "bleu":
+        sample = 0  # the sample is for the BLEU choices; by loss, val is decoded once, whole
     val = min(len(corpora["val"]), sample or len(corpora["val"]))
     val *= length_factor(corpora["val"])
     tests = sum(min(len(corpus), trial.data.test_limit or len(corpus))
@@ -407,12 +411,13 @@ def _decoding_grid(trial: TrainConfig, corpora: dict[str, Any], budget_seconds: 
     per_sentence = (end - least) / (total - MIN_VAL_SENTENCES)
     fits = MIN_VAL_SENTENCES + max(0.0, share - least) / per_sentence
     count = max(MIN_VAL_SENTENCES, int(fits // 100) * 100)
+    sampled = _end_seconds(trial, corpora, step_seconds, beams, count)
     choices["val_sentences"] = Choice(count, (
-        f"the end {'at beam 4' if beams else 'of this grid'} (~{end / 60:.1f} min) would "
-        f"still take over {END_SHARE:.0%} of "
-        f"the budget: the choices decode {count:,} of the {total:,} val sentences, spread "
-        f"evenly (~{_end_seconds(trial, corpora, step_seconds, beams, count) / 60:.1f} min; "
-        f"at least {MIN_VAL_SENTENCES:,})"))
+        f"the end {'at beam 4 alone' if beams else 'with the grid given'} (~{end / 60:.1f} "
+        f"min) would take over {END_SHARE:.0%} of the budget: the choices decode {count:,} of "
+        f"the {total:,} val sentences, spread evenly (~{sampled / 60:.1f} min"
+        + ("" if sampled <= share else f"; still over {END_SHARE:.0%}: at least "
+           f"{MIN_VAL_SENTENCES:,} are decoded") + ")"))
     return choices
 
 

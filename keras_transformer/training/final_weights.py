@@ -53,10 +53,11 @@ def by_val_loss(val_loss: Callable[[keras.Model], float]) -> Criterion:
     return Criterion("val_loss", "lowest exact validation loss", val_loss)
 
 
-def by_val_bleu(val_bleu: Callable[[keras.Model], float]) -> Criterion:
-    """The highest validation BLEU wins (`--choose-by bleu`), decoded as test will be."""
-    return Criterion("val_bleu", "highest val BLEU", val_bleu, higher_is_better=True,
-                     digits=2)
+def by_val_bleu(val_bleu: Callable[[keras.Model], float],
+                wording: str = "highest val BLEU") -> Criterion:
+    """The highest validation BLEU wins (`--choose-by bleu`), decoded as test will be;
+    `wording` names it in the reason (e.g. on a sample of val)."""
+    return Criterion("val_bleu", wording, val_bleu, higher_is_better=True, digits=2)
 
 
 def choose_final_weights(model: keras.Model, checkpoint_dir: str | Path, best_step: int | None,

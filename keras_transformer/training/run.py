@@ -297,7 +297,7 @@ def _describe_bleu_choice(evaluation: EvaluationConfig) -> str:
     return (f"final weights chosen by val BLEU (beam {evaluation.beam}, alpha "
             f"{evaluation.alpha:g}), then test's beam and alpha among beams "
             f"{', '.join(map(str, beams))} x alphas {', '.join(f'{a:g}' for a in alphas)}"
-            + (f", on {evaluation.val_sentences:,} val sentences spread evenly"
+            + (f", on up to {evaluation.val_sentences:,} val sentences spread evenly"
                if evaluation.val_sentences else ""))
 
 
@@ -355,7 +355,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
         "best_val_loss": outcome["best_val_loss"], "best_step": outcome["best_step"],
         "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
         "final_val_loss": final_val_loss,
-        "averaging": {key: choice[key] for key in ("reason", "candidates")},
+        "averaging": {key: choice[key] for key in ("reason", "candidates", "val_sentences")
+                      if key in choice},
         **({"decoding": decoding} if decoding else {}),
         # Only when val/test were carved out of train or its noise dropped (run_data).
         **({"data_report": corpora["data_report"]} if "data_report" in corpora else {}),

@@ -2,7 +2,8 @@
 (`--choose-by bleu`, issue 29).
 
 After the final weights are chosen (`keras_transformer.training.final_weights`), every beam
-size and length penalty of `--val-beams` x `--val-alphas` decodes the validation split; the
+size and length penalty of `--val-beams` x `--val-alphas` decodes the validation split (or
+the `--val-sentences` sample of it that made the weights' choice); the
 highest val BLEU wins, the earlier setting on a tie (the smaller beam, then the alpha given
 first). Test BLEU and the SavedModel then use the winner: nothing is chosen on test.
 """
@@ -140,12 +141,14 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
             it began (None: no cooldown, or unknown).
 
     Returns:
-        (what `choose_final_weights` returns, what `choose_decoding` returns).
+        (what `choose_final_weights` returns, what `choose_decoding` returns); on a sample,
+        each has "val_sentences", the sample's size.
     """
     sources, references = val_sample(val, evaluation.val_sentences)
+    sampled = len(sources) < len(val.sources)
     beam, alpha = evaluation.beam, evaluation.alpha
-    which = (f"{len(sources)} {val.split} sentences" if len(sources) == len(val.sources) else
-             f"{len(sources)} of the {len(val.sources)} {val.split} sentences, spread evenly")
+    which = (f"{len(sources):,} of the {len(val.sources):,} {val.split} sentences, spread "
+             "evenly" if sampled else f"{len(sources):,} {val.split} sentences")
     _LOG.info(f"choosing the final weights on val BLEU ({which}, beam {beam}, alpha "
               f"{alpha:g}): one decoding per candidate ...")
     scored: list[dict[str, Any]] = []  # each candidate's scores, in the order scored
@@ -154,16 +157,18 @@ def choose_on_val_bleu(model: keras.Model, tokenizer, val, checkpoint_dir: str |
         scored.append(score_decoding(candidate, tokenizer, sources, references, beam, alpha))
         return scored[-1]["bleu"]
 
+    wording = (f"highest val BLEU on {len(sources):,} of {len(val.sources):,} sentences"
+               if sampled else "highest val BLEU")
     choice = choose_final_weights(model, checkpoint_dir, best_step, evaluation.average_last,
-                                  criterion=by_val_bleu(val_bleu),
+                                  criterion=by_val_bleu(val_bleu, wording),
                                   best_before_cooldown=best_before_cooldown)
     names = [candidate["name"] for candidate in choice["candidates"]]
     # The winner was decoded at --beam/--alpha already: that setting is not decoded again.
     known = {setting_key(beam, alpha): scored[names.index(choice["chosen"])]}
     beams, alphas = decoding_grid(beam, alpha, evaluation.val_beams, evaluation.val_alphas)
     decoding = choose_decoding(model, tokenizer, sources, references, beams, alphas, known)
-    if len(sources) < len(val.sources):
-        decoding["val_sentences"] = len(sources)
+    if sampled:
+        choice["val_sentences"] = decoding["val_sentences"] = len(sources)
     _LOG.info(f"chosen on {val.split}: {describe_decoding(decoding)}")
     return choice, decoding
 

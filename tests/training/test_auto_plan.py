@@ -5,7 +5,7 @@ one tiny end-to-end run whose results.json reports its budget."""
 
 from __future__ import annotations
 
-import gzip
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -19,7 +19,7 @@ from keras_transformer.training import auto_plan, run_data
 from keras_transformer.training import auto_recipe as rules
 from keras_transformer.training.config import train_config
 from keras_transformer.training.run import run_training
-from pipelines.corpora import ParallelCorpus
+from pipelines.corpora import load_corpus
 from tests.cli.test_train import write_toy_corpus
 
 NEWS = Path(__file__).resolve().parents[2].parent / "shared/data/newstest-deen"
@@ -219,19 +219,17 @@ def test_the_end_is_planned_as_long_as_it_took(step_seconds, measured_end):
     assert measured_end * 0.95 < planned < measured_end * 1.1
 
 
-def read_split(folder: Path, split: str) -> ParallelCorpus:
-    """A real de-en split, read as the run reads it (one pair a line)."""
-    if not (folder / f"{split}.de.gz").is_file():
-        pytest.fail(f"no {folder / split}.de.gz: the project's data sits beside the repository")
-    lines = {lang: gzip.open(folder / f"{split}.{lang}.gz", "rt", encoding="utf-8")
-             .read().splitlines() for lang in ("de", "en")}
-    return ParallelCorpus(lines["de"], lines["en"], "de", "en", split, str(folder))
-
-
 @pytest.fixture(scope="module")
 def news_splits():
-    """newstest2013 (val) and newstest2014 (test): 3,000 news sentences of 18.2 words each."""
-    return {"val": read_split(NEWS, "val"), "test": read_split(NEWS, "test")}
+    """newstest2013 (val) and newstest2014 (test): 3,000 news sentences, 18.7 words a
+    reference; the project's data beside the repository."""
+    if not (NEWS / "val.de.gz").is_file():
+        pytest.fail(f"no {NEWS}/val.de.gz: the project's data sits beside the repository")
+    return {split: load_corpus(NEWS, split, "de", "en") for split in ("val", "test")}
+
+
+def mean_square_words(sentences) -> float:
+    return sum(len(sentence.split()) ** 2 for sentence in sentences) / len(sentences)
 
 
 def test_long_sentences_are_planned_as_long_as_they_took(news_splits, multi30k_dir):
@@ -240,41 +238,91 @@ def test_long_sentences_are_planned_as_long_as_they_took(news_splits, multi30k_d
     # the 4,6 x 0.6,1.0,1.4 grid), the 3,003 test sentences at beam 6, alpha 1.0 and the
     # export took 2,022 s, the machine idle, where a step of news pairs takes ~0.73 s. The
     # plan counted Multi30k's cost a sentence: 10.3 min.
-    assert auto_plan.length_factor(news_splits["val"]) == pytest.approx(451.5 / 144.8, rel=1e-3)
-    assert auto_plan.length_factor(news_splits["test"], 100) != auto_plan.length_factor(
-        news_splits["test"])  # the sentences the test decodes
-    assert auto_plan.length_factor(read_split(multi30k_dir, "val")) == pytest.approx(1.0, abs=1e-3)
+    val, test = news_splits["val"], news_splits["test"]
+    assert auto_plan.length_factor(val) == pytest.approx(
+        mean_square_words(val.targets) / auto_plan.MULTI30K_VAL_SQUARED_WORDS)
+    assert 2.9 < auto_plan.length_factor(val) < 3.1
+    assert auto_plan.length_factor(test, 100) == pytest.approx(  # what the test decodes
+        mean_square_words(test.targets[:100]) / auto_plan.MULTI30K_VAL_SQUARED_WORDS)
+    # The unit, whichever the source language: the references are counted.
+    assert auto_plan.length_factor(load_corpus(multi30k_dir, "val", "de", "en")) == 1.0
+    assert auto_plan.length_factor(load_corpus(multi30k_dir, "val", "fr", "en")) == 1.0
     assert auto_plan.length_factor(range(10)) == 1.0  # no sentences: Multi30k's
     trial = train_config(recipe="multi30k", data="d", src="de", tgt="en", out="o")
     planned = auto_plan._end_seconds(trial, news_splits, 0.73)
     assert 2022 * 0.9 < planned < 2022 * 1.1, planned
 
 
+def news_corpora(corpus, news_splits, tmp_path, flags):
+    """The toy train split (counted) with the news val and test."""
+    return {**run_data.load_corpora(train_config(data=str(corpus), out=str(tmp_path / "r"),
+                                                 **flags)), **news_splits}
+
+
+# A step of the `small` model's 4,096 tokens is assumed; the toy train split is counted.
+NEWS_FLAGS = dict(src="xx", tgt="yy", vocab_size=300, precision="float32")
+
+
+@pytest.mark.parametrize("minutes", [60, 90])
 def test_a_long_val_split_is_sampled_where_its_end_would_not_fit(corpus, news_splits,
-                                                                 tmp_path):
-    """An hour on the news pairs' val and test: the grid shrinks to beam 4, then its choices
-    decode a sample of val, so that the end takes at most 15% of the budget. (The toy train
-    split is counted; a step of the `small` model's 4,096 tokens is assumed.)"""
-    flags = dict(src="xx", tgt="yy", vocab_size=300, precision="float32")
-    corpora = {**run_data.load_corpora(train_config(data=str(corpus), out=str(tmp_path / "r"),
-                                                    **flags)), **news_splits}
-    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=60,
-                     assume_step_seconds=0.73, **flags)
+                                                                 tmp_path, minutes):
+    """The news pairs' val and test: the grid shrinks to beam 4, then its choices decode the
+    largest sample of val, in hundreds, whose end fits 15% of the budget (at least 1,000:
+    60 minutes hold ~1,000, 90 minutes ~1,900)."""
+    corpora = news_corpora(corpus, news_splits, tmp_path, NEWS_FLAGS)
+    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=minutes,
+                     assume_step_seconds=0.73, **NEWS_FLAGS)
     assert value(result, "val_beams") == "4"
     sample = value(result, "val_sentences")
-    assert auto_plan.MIN_VAL_SENTENCES <= sample < 3000 and sample % 100 == 0
-    assert result.config.evaluation.val_sentences == sample
+    assert result.config.evaluation.val_sentences == sample and sample % 100 == 0
+    share = auto_plan.END_SHARE * minutes * 60
     end = auto_plan._end_seconds(result.config, corpora, 0.73)
-    assert end <= auto_plan.END_SHARE * 3600 or sample == auto_plan.MIN_VAL_SENTENCES
+    more = auto_plan._end_seconds(result.config, corpora, 0.73, val_sentences=sample + 100)
+    assert (end <= share or sample == auto_plan.MIN_VAL_SENTENCES) and more > share
+    assert auto_plan.MIN_VAL_SENTENCES <= sample < 3000
+    assert (sample > auto_plan.MIN_VAL_SENTENCES) == (minutes == 90)
     assert f"~{end / 60:.1f} to the val choices" in result.record["plan_text"]
-    # A budget whose end fits keeps every val sentence, and a given flag wins.
+
+
+def test_a_given_val_sample_is_planned_and_a_budget_that_holds_val_keeps_it(
+        corpus, news_splits, tmp_path):
+    corpora = news_corpora(corpus, news_splits, tmp_path, NEWS_FLAGS)
+    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=60,
+                     assume_step_seconds=0.73, val_sentences=2000, **NEWS_FLAGS)
+    assert "val_sentences" not in result.record["choices"]
+    assert result.config.evaluation.val_sentences == 2000
+    end = auto_plan._end_seconds(result.config, corpora, 0.73)  # planned with the 2,000
+    assert end > auto_plan._end_seconds(result.config, corpora, 0.73, val_sentences=1000)
+    assert f"~{end / 60:.1f} to the val choices" in result.record["plan_text"]
     result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=300,
-                     assume_step_seconds=0.73, **flags)
+                     assume_step_seconds=0.73, **NEWS_FLAGS)
     assert "val_sentences" not in result.record["choices"]
     assert result.config.evaluation.val_sentences == 0
-    result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=60,
-                     assume_step_seconds=0.73, val_sentences=2000, **flags)
-    assert result.config.evaluation.val_sentences == 2000
+
+
+def test_the_val_sample_is_for_bleu_choices_of_a_val_split_larger_than_it(news_splits):
+    def grid(val, **flags):
+        trial = train_config(recipe="auto", budget_minutes=60, data="d", src="de", tgt="en",
+                             out="o", **flags)
+        trial.evaluation.choose_by = flags.get("choose_by", "bleu")
+        return auto_plan._decoding_grid(trial, {"val": val, "test": news_splits["test"]},
+                                        3600, 0.73)
+
+    val = news_splits["val"]
+    assert set(grid(val)) == {"val_beams", "val_sentences"}
+    # By loss val is decoded once, whole: nothing to shrink, and a sample is not counted.
+    assert grid(val, choose_by="loss") == {}
+    trial = train_config(recipe="auto", budget_minutes=60, data="d", src="de", tgt="en",
+                         out="o", choose_by="loss", val_sentences=1000)
+    assert auto_plan._end_seconds(trial, {"val": val}, 0.73) == auto_plan._end_seconds(
+        trial, {"val": val}, 0.73, val_sentences=0)
+    # A grid given keeps its beams; the sample says so.
+    given = grid(val, val_beams="4,6")
+    assert list(given) == ["val_sentences"]
+    assert "the end with the grid given" in given["val_sentences"].reason
+    # No sample of a val split of 1,000 or fewer.
+    few = dataclasses.replace(val, sources=val.sources[:1000], targets=val.targets[:1000])
+    assert "val_sentences" not in grid(few, val_beams="4,6")
 
 
 def test_the_end_counts_the_decodings_the_run_makes():

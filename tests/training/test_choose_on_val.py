@@ -125,15 +125,19 @@ def test_val_sentences_make_every_choice_on_the_same_sample(constant_checkpoints
     assert len(decoded) == 7
     assert all(d == (["s0", "s2", "s5", "s7"], ["t0", "t2", "t5", "t7"]) for d in decoded)
     assert choice["chosen"] == "last" and (decoding["beam"], decoding["alpha"]) == (4, 0.6)
-    assert decoding["val_sentences"] == 4
+    assert decoding["val_sentences"] == choice["val_sentences"] == 4
+    assert ": highest val BLEU on 4 of 10 sentences, " in choice["reason"]
     assert describe_decoding(decoding).endswith("of 4 settings tried on 4 val sentences")
     assert "(4 of the 10 val sentences, spread evenly, beam 4" in caplog.text
     # Without a sample: every pair, and the record says nothing of a sample.
     decoded.clear()
     evaluation.val_sentences = 0
-    _, decoding = choose_on_val_bleu(_model_with_constant_weights(0.0), None,
-                                     _synthetic_val(10), constant_checkpoints, 400, evaluation)
-    assert {len(sources) for sources, _ in decoded} == {10} and "val_sentences" not in decoding
+    choice, decoding = choose_on_val_bleu(_model_with_constant_weights(0.0), None,
+                                          _synthetic_val(10), constant_checkpoints, 400,
+                                          evaluation)
+    assert {len(sources) for sources, _ in decoded} == {10}
+    assert "val_sentences" not in decoding and "val_sentences" not in choice
+    assert ": highest val BLEU, " in choice["reason"]
 
 
 def _scores(bleu: float, bp: float = 1.0) -> dict[str, float]:
