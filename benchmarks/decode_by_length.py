@@ -2,7 +2,7 @@
 plan of a run's end, `keras_transformer.training.auto_plan.length_factor`).
 
     python benchmarks/decode_by_length.py --model RUN [--model RUN2 ...] \
-        --data ../shared/data/newstest-deen [--splits val,test] [--src de] \
+        --data ../shared/data/newstest-deen [--splits val,test] [--src de] [--tgt en] \
         [--also ../shared/data/multi30k] [--per-bin 128] [--runs 3]
 
 Sentences of the given splits are grouped by source words (bins below); each model translates
@@ -18,7 +18,6 @@ the median over the rounds, in ms a sentence. Prints JSON.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -32,22 +31,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 BINS = ((4, 7), (8, 11), (12, 15), (16, 20), (21, 27), (28, 36), (37, 50))
 
 
-def read_sources(folder: Path, split: str, language: str) -> list[str]:
-    path = folder / f"{split}.{language}.gz"
-    opener = gzip.open if path.exists() else open
-    path = path if path.exists() else folder / f"{split}.{language}"
-    with opener(path, "rt", encoding="utf-8") as file:
-        return file.read().splitlines()
-
-
 def groups(args: argparse.Namespace) -> dict[str, list[str]]:
     """Named lists of source sentences: the length bins, and `--also`'s val split."""
+    from pipelines.corpora import load_corpus
+
+    def read_sources(folder: Path, split: str) -> list[str]:
+        return load_corpus(folder, split, args.src, args.tgt).sources
+
     sentences = [line for split in args.splits.split(",")
-                 for line in read_sources(args.data, split, args.src)]
+                 for line in read_sources(args.data, split)]
     named = {f"{low}-{high} words": [s for s in sentences if low <= len(s.split()) <= high]
              [:args.per_bin] for low, high in BINS}
     if args.also:
-        named[f"{args.also.name} val"] = read_sources(args.also, "val", args.src)[:args.per_bin]
+        named[f"{args.also.name} val"] = read_sources(args.also, "val")[:args.per_bin]
     return {name: group for name, group in named.items() if group}
 
 
@@ -57,6 +53,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--splits", default="val,test")
     parser.add_argument("--src", default="de")
+    parser.add_argument("--tgt", default="en")
     parser.add_argument("--also", type=Path, help="a corpus folder whose val split is added")
     parser.add_argument("--per-bin", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
