@@ -64,7 +64,7 @@ from pipelines.prepared_folder import (  # numpy alone; re-exported for every ex
     sampling_settings,
 )
 from pipelines.storage import StorageError
-from pipelines.tokenizer import SubwordTokenizer, train_tokenizer
+from pipelines.tokenizer import UNK_ID, SubwordTokenizer, train_tokenizer
 
 __all__ = ["MANIFEST_FILE", "PreparedCorpus", "PreparedError", "damaged_shard", "prepare_corpus",
            "sampling_settings"]
@@ -222,6 +222,8 @@ def prepare_corpus(
     if tokenizer is not None and tokenizer_data:
         raise ValueError("tokenizer_data trains a new tokenizer; a given tokenizer (fine-tuning "
                          "keeps its vocabulary) trains none: give one or the other")
+    if tokenizer is not None:
+        check_tags_are_pieces(tokenizer, split.source_tags())
     started = time.perf_counter()
     if scan is None:
         scan = scan_corpus(split, sample_pairs=tokenizer_sample, seed=seed)
@@ -324,3 +326,22 @@ def prepare_corpus(
 def _staging_prefix(directory: Path) -> str:
     """Name prefix of ``directory``'s temporary folders made on this host."""
     return f".{directory.name}{_STAGING_PREFIX}{socket.gethostname()}-"
+
+
+def check_tags_are_pieces(tokenizer: SubwordTokenizer, tags: Sequence[str]) -> None:
+    """Refuses source tags that a given tokenizer (fine-tuning keeps the old run's) does not
+    hold as single pieces: a new tokenizer reserves them, an old one would split ``<BT>``
+    into ``<``, ``B``, ``T``, ``>`` and the model would learn the tag from scratch.
+
+    Raises:
+        PreparedError: naming the tags and what to do.
+    """
+    if not tags:
+        return
+    ids = tokenizer.piece_to_id(tf.constant(list(tags))).numpy().tolist()
+    split_tags = [tag for tag, piece in zip(tags, ids, strict=True) if piece == UNK_ID]
+    if split_tags:
+        raise PreparedError(
+            f"the tag {split_tags[0]!r} is not one piece of the given tokenizer (the run "
+            "fine-tuned from was trained without it): give --synthetic-tag '' (no tag), or "
+            "a tag that tokenizer holds, or train from scratch with a new vocabulary")

@@ -246,6 +246,14 @@ class PreparedFolder:
         """
         recorded = self.manifest["corpus"]
         current = split.identity()
+        if corpus_mix(recorded) != corpus_mix(current):
+            # The files match one by one, but not how they are combined: another
+            # --synthetic, --add-data, --upsample-real or tag is another corpus.
+            raise PreparedError(
+                f"{self.directory} was prepared from another mix of corpora "
+                f"({describe_mix(recorded)}; this run's: {describe_mix(current)}); use the "
+                "same --data/--add-data/--synthetic/--upsample-real/--synthetic-tag, "
+                "another directory, or delete it to prepare again")
         touched = []
         for old, new in zip(recorded.get("files", []), current.get("files", []), strict=False):
             if old["path"] != new["path"] or (
@@ -370,3 +378,28 @@ def sampling_settings(subword_samples: int, subword_alpha: float) -> dict[str, A
     sampled copies): the alpha only matters when there are some."""
     return {"subword_samples": subword_samples,
             "subword_alpha": subword_alpha if subword_samples else None}
+
+
+def corpus_mix(identity: Mapping[str, Any]) -> dict[str, Any]:
+    """How a corpus identity (:meth:`pipelines.corpora.CorpusSplit.identity`) combines its
+    files, without where they are: the number of files, each part's repeat, tag and
+    selection. Two identities of one mix agree here even when their files were moved or
+    copied; another --synthetic, --add-data, --upsample-real or tag does not."""
+    return {"files": len(identity.get("files", [])), "repeat": identity.get("repeat", 1),
+            "source_tag": identity.get("source_tag"), "selection": identity.get("selection"),
+            "parts": [corpus_mix(part) for part in identity.get("parts", [])]}
+
+
+def describe_mix(identity: Mapping[str, Any]) -> str:
+    """E.g. "3 parts: train ×5, train, train tagged <BT>" or "one corpus of 2 files"."""
+    def part(mix: Mapping[str, Any], name: str) -> str:
+        return (name + (f" ×{mix['repeat']}" if mix["repeat"] != 1 else "")
+                + (f" tagged {mix['source_tag']}" if mix["source_tag"] else "")
+                + (" (a selection)" if mix["selection"] else ""))
+
+    mix = corpus_mix(identity)
+    if not mix["parts"]:
+        return part(mix, f"one corpus of {mix['files']} files")
+    names = [str(p.get("origin", "?")) for p in identity["parts"]]
+    return f"{len(names)} parts: " + ", ".join(
+        part(m, name) for m, name in zip(mix["parts"], names, strict=True))

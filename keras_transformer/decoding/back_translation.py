@@ -247,7 +247,12 @@ def back_translate(
         else:
             session["action"] = "resumed" if state["lines_done"] else "started"
         if session["action"] not in ("started", "resumed"):
-            return {**read_provenance(out), "session": {**session, "lines_translated": 0}}
+            record = read_provenance(out)
+            if record.get("lines_done") != state["lines_done"]:
+                # progress.json is written before provenance.json: a stop (or a full disk)
+                # between the two leaves the provenance one chunk behind; bring it up.
+                record = write_provenance(out, state, fixed, counts)
+            return {**record, "session": {**session, "lines_translated": 0}}
         state["sessions"].append(session)
         decode = {**options, "batch_size": batch_size, "batch_tokens": batch_tokens}
         _translate_lines(model, tokenizer, out, files, state, fixed, counts, decode, total,

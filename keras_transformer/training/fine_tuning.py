@@ -78,8 +78,10 @@ def initial_run(config: TrainConfig, model_config) -> InitialRun | None:
                    if key not in UNCONSTRAINED and old.get(key) != value]
     if differences:
         arguments = record.get("arguments", {})
-        advice = " ".join(f"--{name.replace('_', '-')} {arguments[name]}" for name in
-                          ARCHITECTURE_FLAGS if arguments.get(name) not in (None, False))
+        advice = " ".join(
+            f"--{name.replace('_', '-')}" + ("" if arguments[name] is True
+                                              else f" {arguments[name]}")
+            for name in ARCHITECTURE_FLAGS if arguments.get(name) not in (None, False))
         raise UsageError(f"--init-from {path}: its model differs from this run's "
                          f"({'; '.join(differences)}). Fine-tuning keeps the architecture and "
                          f"the vocabulary: pass the run's own settings ({advice}), or train "
@@ -152,15 +154,17 @@ def saved_model(run: InitialRun):
 
 
 def old_test_corpus(run: InitialRun, load: Callable[..., Any]):
-    """The initial run's own test split (`load(data, split, src, tgt)`), or None when it had
-    none or it cannot be read here (a run trained elsewhere)."""
+    """The initial run's own test split (`load(data, split, src, tgt, data_dir=...,
+    manual_dir=...)`, from where that run read it), or None when it had none or it cannot
+    be read here (a run trained elsewhere)."""
     arguments = run.record.get("arguments", {})
     split = arguments.get("test_split", "test")
     if not arguments.get("data") or str(split).lower() == "none":
         return None
     try:
         return load(arguments["data"], split, arguments["src"].split(",")[0].strip(),
-                    arguments["tgt"])
+                    arguments["tgt"], data_dir=arguments.get("data_dir"),
+                    manual_dir=arguments.get("manual_dir"))
     except ValueError:  # CorpusError: moved or absent
         return None
 

@@ -58,7 +58,8 @@ def open_training_split(data: DataConfig, carving: Carving | None = None) -> Cor
 
     Raises:
         CorpusError: a corpus is missing or of other languages.
-        UsageError: a synthetic folder whose back-translation has not finished.
+        UsageError: a synthetic folder whose back-translation has not finished or was
+            made for the other direction (`check_synthetic_folder`).
     """
     where = dict(data_dir=data.data_dir, manual_dir=data.manual_dir)
     real = (carving.train if carving is not None
@@ -67,14 +68,45 @@ def open_training_split(data: DataConfig, carving: Carving | None = None) -> Cor
              for folder in comma_separated(data.add_data, str)]
     synthetic = []
     for folder in comma_separated(data.synthetic, str):
-        provenance = Path(folder) / SYNTHETIC_PROVENANCE
-        if provenance.is_file() and not json.loads(provenance.read_text()).get("complete"):
-            raise UsageError(f"--synthetic {folder}: its back-translation has not finished "
-                             f"({provenance}: complete is false); run the same back_translate "
-                             "command again to finish it")
+        check_synthetic_folder(Path(folder), data.src, data.tgt)
         synthetic.append(open_corpus(folder, "train", data.src, data.tgt))
     return mixed_corpus(real, added=added, synthetic=synthetic,
                         upsample_real=data.upsample_real, synthetic_tag=data.synthetic_tag)
+
+
+def check_synthetic_folder(folder: Path, src: str, tgt: str) -> None:
+    """Refuses a --synthetic folder whose back-translation (its provenance.json, when it has
+    one) is unfinished or made for the other direction: its genuine side would then be
+    the sources and the machine translations the targets, silently.
+
+    Raises:
+        UsageError: naming the folder, what its provenance says and what to do.
+    """
+    provenance = folder / SYNTHETIC_PROVENANCE
+    if not provenance.is_file():
+        return  # synthetic pairs made elsewhere: taken as they are
+    try:
+        record = json.loads(provenance.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--synthetic {folder}: {provenance} cannot be read ({error}); run "
+                         "the back_translate command that made the folder again") from None
+    made_for = (record.get("src_lang"), record.get("tgt_lang"))
+    if None not in made_for and made_for != (src, tgt):
+        raise UsageError(
+            f"--synthetic {folder} was back-translated for a {made_for[0]}→{made_for[1]} model "
+            f"({provenance}), not this run's {src}→{tgt}: its train.{made_for[1]} is the "
+            f"genuine side; give the folder made with --src {src} --tgt {tgt}")
+    if not record.get("complete"):
+        done, total = record.get("lines_done"), (record.get("input") or {}).get("lines")
+        lines = f", {done:,} of {total:,} lines" if None not in (done, total) else ""
+        last_session = (record.get("sessions") or [{}])[-1]
+        how = ("run the same back_translate command again to finish it"
+               if last_session.get("max_lines") is None else
+               "it stopped at its --max-lines: run the back_translate command again without "
+               "--max-lines to finish it")
+        raise UsageError(f"--synthetic {folder}: its back-translation has not finished "
+                         f"({provenance}: complete is false{lines}); "
+                         f"{how}")
 
 
 def carve_missing_splits(data: DataConfig, seed: int) -> Carving | None:

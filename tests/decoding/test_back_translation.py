@@ -137,6 +137,16 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(loaded, mono, tmp_path):
     again = _bt(loaded, path, out, **sampled)
     assert again["session"]["action"] == "already complete"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing rewritten
+    # A stop (or a full disk) between the last chunk's progress.json and provenance.json:
+    # the next call finds nothing to translate and brings the provenance up to date.
+    stale = json.loads((out / PROVENANCE_FILE).read_text())
+    stale.update(complete=False, lines_done=20)
+    storage.write_json(out / PROVENANCE_FILE, stale)
+    healed = _bt(loaded, path, out, **sampled)
+    assert healed["session"]["action"] == "already complete" and healed["complete"]
+    on_disk = json.loads((out / PROVENANCE_FILE).read_text())
+    assert on_disk["complete"] and on_disk["lines_done"] == 25
+    assert on_disk["counts"] == resumed["counts"]
 
 
 def test_sampling_is_reproducible_for_a_seed_whatever_the_chunks(loaded, mono, tmp_path):

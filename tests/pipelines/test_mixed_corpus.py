@@ -12,7 +12,7 @@ from keras_transformer.errors import UsageError
 from keras_transformer.training.config import data_config
 from keras_transformer.training.run_data import open_training_split
 from pipelines.corpora import CorpusError, corpus_fingerprint, mixed_corpus, open_corpus
-from pipelines.prepared import prepare_corpus
+from pipelines.prepared import PreparedError, prepare_corpus
 
 
 def _folder(path, pairs, src="de", tgt="en"):
@@ -67,6 +67,17 @@ def test_the_tag_is_one_piece_of_the_prepared_vocabulary(tmp_path, multi30k_dir)
                                    .flat_values).numpy().tolist()
     assert b"<BT>" in pieces and b"<" not in pieces
     assert prepared.manifest["pairs_total"] == len(real.load()) + 20
+    # Fine-tuning keeps a tokenizer: one that holds the tag is used as it is ...
+    mixed = mixed_corpus(real, synthetic=[synthetic], synthetic_tag="<BT>")
+    again = prepare_corpus(mixed, tmp_path / "again", vocab_size=1000, max_length=64,
+                           tokenizer=tokenizer)
+    assert again.manifest["pairs_total"] == prepared.manifest["pairs_total"]
+    # ... one that would split it is refused before anything is written.
+    with pytest.raises(PreparedError, match="'<BT2>' is not one piece"):
+        prepare_corpus(mixed_corpus(real, synthetic=[synthetic], synthetic_tag="<BT2>"),
+                       tmp_path / "refused", vocab_size=1000, max_length=64,
+                       tokenizer=tokenizer)
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_run_opens_its_mix_from_flags_and_refuses_an_unfinished_back_translation(tmp_path):
@@ -77,10 +88,26 @@ def test_a_run_opens_its_mix_from_flags_and_refuses_an_unfinished_back_translati
     (bt / "provenance.json").write_text(json.dumps({"complete": False}))
     with pytest.raises(UsageError, match="has not finished"):
         open_training_split(data)
+    (bt / "provenance.json").write_text(json.dumps(
+        {"complete": False, "lines_done": 1, "input": {"lines": 9},
+         "sessions": [{"max_lines": 1}]}))
+    with pytest.raises(UsageError, match="1 of 9 lines.*again without --max-lines"):
+        open_training_split(data)
+    (bt / "provenance.json").write_text("{")
+    with pytest.raises(UsageError, match="cannot be read"):
+        open_training_split(data)
     (bt / "provenance.json").write_text(json.dumps({"complete": True}))
     untagged = data_config(data=str(real), src="de", tgt="en", synthetic=str(bt),
                            synthetic_tag="")
     assert list(open_training_split(untagged).pairs())[-1] == SYNTHETIC[0]
+    # A folder made for the other direction: its genuine side would become the sources.
+    (bt / "provenance.json").write_text(json.dumps(
+        {"complete": True, "src_lang": "en", "tgt_lang": "de"}))
+    with pytest.raises(UsageError, match="back-translated for a en→de model.*--src de --tgt en"):
+        open_training_split(data)
+    (bt / "provenance.json").write_text(json.dumps(
+        {"complete": True, "src_lang": "de", "tgt_lang": "en"}))
+    assert len(list(open_training_split(data).pairs())) == 5
 
 
 def test_tokenizer_data_trains_the_vocabulary_not_the_model(tmp_path, multi30k_dir):

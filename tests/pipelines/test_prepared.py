@@ -33,6 +33,7 @@ from pipelines.corpora import (
     CorpusError,
     ParallelCorpus,
     corpus_fingerprint,
+    mixed_corpus,
     open_corpus,
     scan_corpus,
 )
@@ -845,6 +846,27 @@ def test_check_source_judges_a_changed_file_by_size_then_content(folder, prepare
     shutil.copytree(folder, copy)
     write(copy, "train.en", ["something else"] * (PAIRS + 1))
     prepared.check_source(open_corpus(copy, "train", "de", "en"))
+
+
+def test_check_source_refuses_another_mix_of_the_same_files(folder, prepared, tmp_path):
+    """The real files match one by one, but the run adds a synthetic corpus, repeats the
+    real pairs or tags them: another corpus, which the prepared shards do not hold."""
+    real = open_corpus(folder, "train", "de", "en")
+    write(tmp_path / "bt", "train.de", ["Ein Mann singt.", "Zwei Hunde."])
+    write(tmp_path / "bt", "train.en", ["A man sings.", "Two dogs."])
+    synthetic = open_corpus(tmp_path / "bt", "train", "de", "en")
+    mixes = {"synthetic": mixed_corpus(real, synthetic=[synthetic], synthetic_tag="<BT>"),
+             "upsampled": mixed_corpus(real, upsample_real=2)}
+    for name, mix in mixes.items():
+        with pytest.raises(PreparedError, match="another mix of corpora") as info:
+            prepared.check_source(mix)
+        assert "one corpus of 2 files" in str(info.value), name
+    assert "×2" in str(info.value)
+    # And the other way: shards of a mix are not reused for the plain corpus.
+    mixed = prepare_corpus(mixes["synthetic"], tmp_path / "mixed", **SETTINGS)
+    mixed.check_source(mixes["synthetic"])
+    with pytest.raises(PreparedError, match=r"2 parts: .* tagged <BT>"):
+        mixed.check_source(real)
 
 
 # --- 7. streaming validation and sampling ---------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from keras_transformer.decoding.scoring import paired_bootstrap
 from keras_transformer.errors import UsageError
 from keras_transformer.training.config import train_config
+from keras_transformer.training.fine_tuning import InitialRun, old_test_corpus
 from keras_transformer.training.run import run_training
 from pipelines.corpora import load_corpus
 from tests.cli.test_train import write_toy_corpus
@@ -56,6 +57,18 @@ def test_another_architecture_or_vocabulary_is_refused_before_anything_is_made(o
     with pytest.raises(UsageError, match="not a finished training run"):
         run_training(train_config(data=str(new_data), out=str(root / "refused_missing"),
                                   max_steps=2, init_from=str(root / "no_such_run"), **TINY))
+    # The flags to pass are ones argparse takes: a switch without a value.
+    pre_norm_run = root / "pre_norm_run"
+    pre_norm_run.mkdir()
+    for name in ("model.keras", "tokenizer"):
+        (pre_norm_run / name).touch()
+    config = json.loads((old_run["out"] / "config.json").read_text())
+    config["model"]["pre_norm"] = config["arguments"]["pre_norm"] = True
+    (pre_norm_run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match=r"pre_norm: True there, False here") as refused:
+        run_training(train_config(data=str(new_data), out=str(root / "refused_pre_norm"),
+                                  max_steps=2, init_from=str(pre_norm_run), **TINY))
+    assert "--pre-norm --vocab-size 300" in str(refused.value)
 
 
 def test_fine_tuning_starts_from_the_run_and_scores_both_domains_before_and_after(old_run):
@@ -112,3 +125,23 @@ def test_fine_tuning_starts_from_the_run_and_scores_both_domains_before_and_afte
         run_training(train_config(data=str(new_data), out=str(root / "other_prepared"),
                                   max_steps=4, init_from=str(old_out), prepared=str(unrelated),
                                   **TINY))
+
+
+def test_the_old_test_split_is_read_where_the_old_run_read_it(tmp_path):
+    """A tfds run read its data from its --data-dir (and --manual-dir): the old test split
+    is loaded from there too, not downloaded into tfds' default folder."""
+    arguments = {"data": "tfds:wmt14_translate/de-en", "src": "de,fr", "tgt": "en",
+                 "test_split": "test", "data_dir": str(tmp_path / "tfds"), "manual_dir": None}
+    calls = []
+
+    def load(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "the test split"
+
+    run = InitialRun(tmp_path, {"arguments": arguments}, {})
+    assert old_test_corpus(run, load) == "the test split"
+    assert calls == [(("tfds:wmt14_translate/de-en", "test", "de", "en"),
+                      {"data_dir": str(tmp_path / "tfds"), "manual_dir": None})]
+    assert old_test_corpus(InitialRun(tmp_path, {"arguments": {**arguments,
+                                                               "test_split": "none"}}, {}),
+                           load) is None
