@@ -54,7 +54,7 @@ def corpus_statistics(pairs: Iterable[tuple[str, str]]) -> CorpusStatistics:
     """One streaming pass over `(source, target)` pairs (a `CorpusSplit.pairs()`).
 
     Raises:
-        ValueError: no pairs.
+        ValueError: no pairs, or no words in them.
     """
     count = source_words = target_words = 0
     types: set[str] = set()
@@ -72,6 +72,9 @@ def corpus_statistics(pairs: Iterable[tuple[str, str]]) -> CorpusStatistics:
                 target_words += len(words)
     if count == 0:
         raise ValueError("the training split holds no sentence pairs")
+    if not types:
+        raise ValueError(f"the training split's {count:,} pairs hold no words (empty or "
+                         "blank lines only)")
     return CorpusStatistics(count, source_words, target_words, len(types),
                             _percentile(lengths["source"], 0.999),
                             _percentile(lengths["target"], 0.999))

@@ -70,6 +70,10 @@ END_SHARE = 0.15
 # Settings that only say where and how the run writes: not part of what auto plans.
 _NOT_PLANNED = {"out", "overwrite", "resume", "verbose", "no_export", "export_dir",
                 "join_timeout", "backup_every", "keep_backups"}
+# How the command computes, as for any resumed run (not in a run's identity): the plan was
+# measured once; a run trained on JAX is finished under TensorFlow with its plan
+# (`keras_backend.finishing_command`).
+_RUN_HERE = {"backend", "precision", "jit_compile"}
 
 
 @dataclasses.dataclass
@@ -84,6 +88,9 @@ class AutoPlan:
         record = self.record
         lines = [f"  auto           {record['statistics_text']}",
                  f"                 budget {record['budget']}; {record['plan_text']}",
+                 *([f"                 the same plan on any machine: {record['repeat']} "
+                    "with the flags given"]
+                   if record.get("repeat") else []),
                  rules.describe_choices({name: Choice(**choice) for name, choice
                                          in record["choices"].items()},
                                         record["request"]["given"])]
@@ -149,7 +156,9 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
         # What the schedule depends on, as given flags may have changed them.
         sizes = {"d_model": trial.model.transformer(trial.data.vocab_size).d_model,
                  "tokens_per_step": trial.batches.budget(replicas, trial.data.max_length)
-                 .tokens_per_step}
+                 .tokens_per_step,
+                 "warmup_steps": (trial.optimization.warmup_steps
+                                  if "warmup_steps" in config.given else None)}
         if budget.steps is not None:
             schedule = rules.schedule_choices(stats, name, budget.steps, "--budget-steps",
                                               **sizes)
@@ -157,8 +166,8 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
         else:
             try:
                 schedule, plan_text, measured[name] = _minutes_schedule(
-                    trial, stats, name, corpora, started, precision, jit, replicas, report,
-                    step_seconds, sizes)
+                    trial, stats, name, corpora, None if workers > 1 else started, precision,
+                    jit, replicas, report, step_seconds, sizes)
             except UsageError as error:  # no time to train it at all: a smaller one may fit
                 if last or preset == "given":
                     raise
@@ -187,7 +196,20 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
         "measured_step_seconds": measured,
         "choices": {name: dataclasses.asdict(choice) for name, choice in chosen.items()},
     }
+    if budget.steps is None:
+        record["repeat"] = repeat_flags(chosen)
     return AutoPlan(final, record)
+
+
+def repeat_flags(choices: dict[str, Choice]) -> str:
+    """The flags that repeat a minutes budget's plan without measuring: its steps as
+    --budget-steps, its preset (a minutes budget may step a preset down to fit) and the val
+    grid it shrank to fit its end (a steps budget keeps the full grid)."""
+    flags = ["--recipe auto", f"--budget-steps {choices['max_steps'].value}",
+             f"--preset {choices['preset'].value}"]
+    flags += [f"--{name.replace('_', '-')} {choices[name].value}"
+              for name in ("val_beams", "val_sentences") if name in choices]
+    return " ".join(flags)
 
 
 def with_clean_train(config: TrainConfig) -> TrainConfig:
@@ -273,12 +295,15 @@ def _count(config: TrainConfig, corpora: dict[str, Any],
 
 
 def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
-                      corpora: dict[str, Any], started: float, precision: str, jit: bool,
+                      corpora: dict[str, Any], started: float | None, precision: str, jit: bool,
                       replicas: int, report: Callable[[str], None],
                       assumed: Callable[[TrainConfig], float] | None,
-                      sizes: dict[str, int]) -> tuple[dict[str, Choice], str, float]:
+                      sizes: dict[str, int | None]) -> tuple[dict[str, Choice], str, float]:
     """The schedule a minutes budget buys `preset`: its step measured here (or assumed), the
-    time left after everything else the command does."""
+    time left after everything else the command does. `started` None (a cluster's worker):
+    the time spent so far is not read from this worker's clock, which differs from the
+    others' (they start, and wait for each other, at other times), so that every worker
+    plans the same steps."""
     optimization = trial.optimization
     if assumed is not None:
         step_seconds, how = assumed(trial), "assumed"
@@ -289,7 +314,7 @@ def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
         how = f"measured here ({precision}, XLA {'on' if jit else 'off'})"
     run_step = step_seconds * RUN_OVERHEAD
     budget_seconds = optimization.budget_minutes * 60
-    spent = time.perf_counter() - started + STARTUP_SECONDS
+    spent = STARTUP_SECONDS + (time.perf_counter() - started if started is not None else 0.0)
     prepare = PREPARE_SECONDS[0] + PREPARE_SECONDS[1] * stats.words / 1e6
     grid = _decoding_grid(trial, corpora, budget_seconds, step_seconds)
     end = _end_seconds(trial, corpora, step_seconds,
@@ -436,7 +461,7 @@ def _request(config: TrainConfig) -> dict[str, Any]:
     """What a resume must repeat for the recorded plan to apply: the given settings."""
     flags = config.flags()
     return {"given": {name: flags[name] for name in sorted(config.given)
-                      if name not in _NOT_PLANNED}}
+                      if name not in _NOT_PLANNED | _RUN_HERE}}
 
 
 def recorded_plan(config: TrainConfig) -> AutoPlan | None:
@@ -466,5 +491,7 @@ def recorded_plan(config: TrainConfig) -> AutoPlan | None:
     output = dataclasses.replace(resumed.output, **{
         field.name: getattr(config.output, field.name)
         for field in dataclasses.fields(config.output) if field.name in _NOT_PLANNED})
-    return AutoPlan(dataclasses.replace(resumed, output=output, cluster=config.cluster,
-                                        given=config.given), plan)
+    optimization = dataclasses.replace(resumed.optimization, **{
+        name: getattr(config.optimization, name) for name in _RUN_HERE})
+    return AutoPlan(dataclasses.replace(resumed, output=output, optimization=optimization,
+                                        cluster=config.cluster, given=config.given), plan)

@@ -150,11 +150,14 @@ class Budget:
 
 def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
                      why_steps: str, *, d_model: int | None = None,
-                     tokens_per_step: int | None = None) -> dict[str, Choice]:
+                     tokens_per_step: int | None = None,
+                     warmup_steps: int | None = None) -> dict[str, Choice]:
     """The steps (the budget's, at most `MAX_PASSES` over the data), warmup, peak rate,
     cooldown and checkpoint cadence of a run of `preset` that the budget gives
-    `budget_steps` steps. `d_model` and `tokens_per_step` default to the preset's (given
-    flags may change them); a preset without a tuned rate (`tiny`) takes `small`'s."""
+    `budget_steps` steps. `d_model` and `tokens_per_step` default to the preset's, the
+    warmup to `WARMUP_SHARE` of the steps (given flags may change them: the peak rate is
+    the preset's at the warmup's end either way); a preset without a tuned rate (`tiny`)
+    takes `small`'s."""
     tokens = tokens_per_step or TOKENS_PER_STEP.get(preset, TOKENS_PER_STEP["small"])
     width = d_model or D_MODEL.get(preset, D_MODEL["small"])
     most = max(1, int(MAX_PASSES / passes_per_step(stats, tokens)))
@@ -163,7 +166,8 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
         f"{MAX_PASSES} passes over the data ({most:,} steps of {tokens:,} tokens), the most "
         f"measured to help: the budget's {budget_steps:,} would read it more often, so the run "
         "ends early")
-    warmup = min(4000, steps, round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
+    warmup = warmup_steps or min(4000, steps,
+                                 round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
     peak = PEAK_RATE.get(preset, PEAK_RATE["small"])
     lr_scale = round(peak * math.sqrt(width * warmup), 4)
     every = max(10, round_to(steps / CHECKPOINTS_PER_RUN, 10 if steps < 4200 else 50))

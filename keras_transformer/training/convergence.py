@@ -82,7 +82,9 @@ def read_validation_losses(metrics_csv: str | Path) -> list[tuple[int, float]]:
 def convergence_report(history: Sequence[tuple[int, float]], *,
                        tolerance: float = TOLERANCE,
                        cooldown_from: float | None = None,
-                       candidates: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+                       candidates: Sequence[dict[str, Any]] | None = None,
+                       trained_steps: int | None = None, planned_steps: int | None = None,
+                       stop_reason: str | None = None) -> dict[str, Any]:
     """The verdict on a validation-loss curve (see the module docstring).
 
     Args:
@@ -94,6 +96,9 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
         candidates: the final weights' candidates as `final_weights.choose_final_weights`
             scored them ({name, steps, val_bleu}); with val BLEU, an "overfitting" loss is
             checked against it (the "improving by BLEU" verdict).
+        trained_steps, planned_steps, stop_reason: where the run stopped, where its schedule
+            ends, and why it stopped: a run stopped before its planned steps (--max-minutes,
+            patience) says so, with its cooldown unfinished if it had begun one.
 
     Returns:
         {"verdict": "still improving" | "converged" | "overfitting" | "unknown",
@@ -102,8 +107,25 @@ def convergence_report(history: Sequence[tuple[int, float]], *,
          "projected_val_loss_at_twice_the_steps" (with a cooldown: at twice the step it
          began, before a longer run's own cooldown), "rise_since_best" (relative); with a
          cooldown judged apart, "cooldown_from_step" and "cooldown_gain" (relative: the best
-         loss after the cooldown began against the best before it)}.
+         loss after the cooldown began against the best before it); "stopped_early"
+         ({"step", "planned_steps", "reason"}) for a run stopped before its planned steps}.
     """
+    report = _judge(history, tolerance, cooldown_from, candidates)
+    if trained_steps is not None and planned_steps and trained_steps < planned_steps:
+        report["stopped_early"] = {"step": trained_steps, "planned_steps": planned_steps,
+                                   "reason": stop_reason}
+        unfinished = (", its cooldown unfinished" if cooldown_from is not None
+                      and trained_steps > cooldown_from else "")
+        report["message"] += (f"; the run stopped at step {trained_steps:,} of the "
+                              f"{planned_steps:,} planned{unfinished}"
+                              + (f" ({stop_reason})" if stop_reason else ""))
+    return report
+
+
+def _judge(history: Sequence[tuple[int, float]], tolerance: float,
+           cooldown_from: float | None, candidates: Sequence[dict[str, Any]] | None
+           ) -> dict[str, Any]:
+    """`convergence_report`'s verdict on the curve alone."""
     if len(history) < MIN_VALIDATIONS:
         return {"verdict": "unknown", "validations": len(history),
                 "message": f"convergence unknown: {len(history)} validation(s), at least "

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from keras_transformer.errors import UsageError
+from keras_transformer.training.recipes import AUTO
 
 BACKENDS = ("tensorflow", "jax")
 
@@ -76,10 +77,15 @@ def finishing_command(config: Any, precision: str, trained_steps: int) -> list[s
     the planned length, which the run's identity records (`run_directory.run_record`), so
     the run's own `--max-steps`/`--epochs` stay, and a run stopped before them (patience,
     `--max-minutes`) is found done by the stop its backup records.
+
+    A `--recipe auto` run is finished as it is resumed: with the flags its user gave (its
+    plan is read back from config.json, and a plan's settings given as flags would be
+    another request), the backend, precision and XLA changed.
     """
     changed = {"backend": "tensorflow", "overwrite": False, "precision": precision,
                "jit_compile": "on"}
-    if not config.optimization.cooldown:
+    planned = config.recipe == AUTO
+    if not config.optimization.cooldown and not planned:
         changed.update(max_steps=trained_steps, epochs=None)
     command = [sys.executable, "-m", "keras_transformer.train"]
     if config.recipe is not None:
@@ -89,6 +95,8 @@ def finishing_command(config: Any, precision: str, trained_steps: int) -> list[s
         if not dataclasses.is_dataclass(settings):
             continue
         for field in dataclasses.fields(settings):
+            if planned and field.name not in config.given and field.name not in changed:
+                continue
             value = changed.get(field.name, getattr(settings, field.name))
             flag = "--" + field.name.replace("_", "-")
             if isinstance(value, bool):  # store_true, or --x/--no-x (a default not False)

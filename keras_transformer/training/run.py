@@ -394,7 +394,8 @@ def finish_run(config: TrainConfig, record: dict[str, Any], corpora: dict[str, A
     results["convergence"] = convergence_report(
         read_validation_losses(run / run_directory.LOG_DIR / "metrics.csv"),
         cooldown_from=cooldown_start(outcome.get("max_steps"), config.optimization.cooldown),
-        candidates=results["averaging"]["candidates"])
+        candidates=results["averaging"]["candidates"], trained_steps=outcome["step"],
+        planned_steps=outcome.get("max_steps"), stop_reason=outcome["reason"])
     if config.model.init_from:
         results["fine_tuning"] = fine_tuning.before_and_after(
             config, corpora, model, tokenizer, results, test_hypotheses, beam, alpha)

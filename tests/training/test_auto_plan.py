@@ -18,6 +18,7 @@ from keras_transformer.run_directory import run_record
 from keras_transformer.training import auto_plan, run_data
 from keras_transformer.training import auto_recipe as rules
 from keras_transformer.training.config import train_config
+from keras_transformer.training.keras_backend import finishing_command
 from keras_transformer.training.run import run_training
 from pipelines.corpora import load_corpus
 from tests.cli.test_train import write_toy_corpus
@@ -148,6 +149,12 @@ def test_a_steps_budget_measures_nothing_and_the_given_flags_win(corpus, tmp_pat
     warmup = next(line for line in text.splitlines() if "--warmup-steps" in line)
     assert "given" not in warmup and "24% of the steps" in warmup
     config.check()
+    # A given warmup is planned around: the peak rate is the preset's, reached at its end.
+    late, _ = plan(tmp_path / "late", data=corpus, budget_steps=120, warmup_steps=100, **TOY)
+    assert late.config.optimization.warmup_steps == 100 != value(result, "warmup_steps")
+    assert late.config.optimization.lr_scale == pytest.approx(
+        rules.PEAK_RATE["small"] * (32 * 100) ** 0.5, abs=1e-4)
+    assert "reached at step 100" in late.record["choices"]["lr_scale"]["reason"]
 
 
 def test_a_corpus_of_few_distinct_words_is_planned(corpus, tmp_path):
@@ -187,6 +194,24 @@ def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_p
     assert 1.9 < fast / slow < 2.2
 
 
+def test_the_workers_of_a_cluster_plan_the_same_steps_whatever_their_clocks(corpus,
+                                                                            tmp_path):
+    """Each worker plans alone and the plans must agree (`fit.check_same_settings`): a
+    worker that started (or waited for the others) 5 minutes earlier plans the same."""
+    config = train_config(recipe="auto", data=str(corpus), out=str(tmp_path / "run"),
+                          budget_minutes=20, assume_step_seconds=1.0, **TOY)
+    corpora = run_data.load_corpora(config)
+
+    def steps(workers, waited):
+        result = auto_plan.plan_run(config, corpora, replicas=1, workers=workers,
+                                    started=time.perf_counter() - waited, precision="float32",
+                                    jit=False, report=lambda line: None)
+        return value(result, "max_steps")
+
+    assert steps(2, 0.0) == steps(2, 300.0)
+    assert steps(1, 300.0) < steps(1, 0.0)  # one machine: its minutes are the command's
+
+
 def test_too_small_a_minutes_budget_is_refused_with_the_minimum(corpus, tmp_path):
     with pytest.raises(UsageError) as refused:
         plan(tmp_path / "run", data=corpus, budget_minutes=1, assume_step_seconds=0.5, **TOY)
@@ -205,6 +230,23 @@ def test_a_short_minutes_budget_shrinks_the_val_grid(corpus, tmp_path):
     # The full grid's end (~70 s of decoding estimates and export) is over 15% of 3 minutes.
     assert value(result, "val_beams") == "4"
     assert result.config.evaluation.val_beams == "4"
+    # The flags that repeat the plan anywhere: the steps, the preset and the shrunk grid.
+    steps = value(result, "max_steps")
+    assert result.record["repeat"] == (
+        f"--recipe auto --budget-steps {steps} --preset small --val-beams 4")
+    assert result.record["repeat"] in result.describe()
+    again, _ = plan(tmp_path / "again", data=corpus, budget_steps=steps, preset="small",
+                    val_beams="4", **TOY)
+    assert "repeat" not in again.record
+    same = ("max_steps", "warmup_steps", "lr_scale", "dropout", "vocab_size", "cooldown",
+            "checkpoint_every", "validate_every", "tokens_per_step")
+    assert ({name: getattr(section, name) for section in (again.config.optimization,
+             again.config.model, again.config.data, again.config.output,
+             again.config.batches) for name in same if hasattr(section, name)}
+            == {name: getattr(section, name) for section in (result.config.optimization,
+                result.config.model, result.config.data, result.config.output,
+                result.config.batches) for name in same if hasattr(section, name)})
+    assert again.config.evaluation.val_beams == "4"
 
 
 @pytest.mark.parametrize("step_seconds, measured_end", [(0.443, 169.6), (0.730, 250.1)])
@@ -519,3 +561,28 @@ def test_a_larger_preset_with_no_time_to_train_is_stepped_down(tmp_path):
     assert "stepped down" in result.record["choices"]["preset"]["reason"]
     assert any("trying the next smaller preset" in line for line in lines)
     assert value(result, "max_steps") > 1000
+
+
+def test_an_auto_run_trained_on_jax_is_finished_by_its_finishing_command(auto_run):
+    """`train --backend jax` resumes the plan in config.json; the command it prints to score
+    and export under TensorFlow gives the user's flags (not the plan's, which would be
+    another request, nor --max-steps, which auto refuses) and reads the same plan."""
+    recorded = json.loads((auto_run["out"] / "config.json").read_text())
+    on_jax = auto_plan.recorded_plan(train_config(**auto_run["flags"], backend="jax"))
+    assert on_jax.config.optimization.backend == "jax"
+    command = finishing_command(on_jax.config, "float32", 6)
+    assert "--max-steps" not in command and "--dropout" not in command
+    assert command[command.index("--recipe") + 1] == "auto"
+    settings, _ = parse_train_args(command[3:])
+    settings.check()
+    finishing = auto_plan.recorded_plan(settings)
+    optimization = finishing.config.optimization
+    assert (optimization.backend, optimization.precision, optimization.jit_compile) == (
+        "tensorflow", "float32", "on")
+    here = {"backend", "precision", "jit_compile"}
+    assert ({name: value for name, value in finishing.config.flags().items()
+             if name not in here}
+            == {name: value for name, value in recorded["arguments"].items()
+                if name not in here})
+    assert run_record(finishing.config, finishing.config.check())["identity"] == (
+        recorded["identity"])

@@ -196,6 +196,10 @@ def test_the_schedule_follows_given_sizes(multi30k):
         multi30k, 512))
     assert 7.9 < eighth["max_steps"].value / default["max_steps"].value < 8.1
     assert "of 512 tokens" in eighth["max_steps"].reason
+    late = rules.schedule_choices(multi30k, "small", 4200, "x", warmup_steps=4000)
+    assert late["warmup_steps"].value == 4000 and "at step 4000" in late["lr_scale"].reason
+    assert late["lr_scale"].value == pytest.approx(
+        rules.PEAK_RATE["small"] * (256 * 4000) ** 0.5, abs=1e-4)
     narrow = rules.schedule_choices(multi30k, "small", 4200, "x", d_model=64)
     assert narrow["lr_scale"].value == pytest.approx(0.5 * (64 / 256) ** 0.5, abs=1e-4)
     tiny = rules.schedule_choices(multi30k, "tiny", 4200, "x")
@@ -249,6 +253,10 @@ def test_corpus_statistics_counts_exactly():
     assert stats.mean_pair_words == 12 / 3
     assert "3 pairs, 11 + 12 words" in stats.describe()
     assert "17 distinct words" in stats.describe()
+    with pytest.raises(ValueError, match="no sentence pairs"):
+        corpus_statistics([])
+    with pytest.raises(ValueError, match="2 pairs hold no words"):  # not a division by 0
+        corpus_statistics([(" ", ""), ("", "\t")])
 
 
 def test_the_percentile_leaves_out_the_rarest_long_sentences():

@@ -215,3 +215,24 @@ def test_a_cooldown_with_too_little_before_it_is_judged_on_the_whole_curve():
     for report in (late, early):
         assert "cooldown_gain" not in report
         assert report == plain
+
+
+def test_a_run_stopped_before_its_planned_steps_says_so():
+    """The 4,533-step run above was stopped by its --max-minutes guard, 284 steps before the
+    end of its 4,817-step schedule: the verdict stays the curve's, and says so."""
+    reason = "used the --max-minutes budget (50.6 min)"
+    report = convergence_report(AUTO_DE_EN, cooldown_from=AUTO_COOLDOWN_FROM,
+                                trained_steps=4533, planned_steps=4817, stop_reason=reason)
+    assert report["verdict"] == "converged"
+    assert report["stopped_early"] == {"step": 4533, "planned_steps": 4817, "reason": reason}
+    assert report["message"].endswith(
+        "; the run stopped at step 4,533 of the 4,817 planned, its cooldown unfinished "
+        f"({reason})")
+    finished = convergence_report(AUTO_DE_EN, cooldown_from=AUTO_COOLDOWN_FROM,
+                                  trained_steps=4817, planned_steps=4817,
+                                  stop_reason="reached the step limit 4817")
+    assert "stopped_early" not in finished and "stopped at" not in finished["message"]
+    before_cooldown = convergence_report(AUTO_DE_EN[:-3], trained_steps=3000,
+                                         planned_steps=4817, stop_reason="patience")
+    assert before_cooldown["message"].endswith(
+        "; the run stopped at step 3,000 of the 4,817 planned (patience)")
