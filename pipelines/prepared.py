@@ -338,8 +338,16 @@ def check_tags_are_pieces(tokenizer: SubwordTokenizer, tags: Sequence[str]) -> N
     """
     if not tags:
         return
-    ids = tokenizer.piece_to_id(tf.constant(list(tags))).numpy().tolist()
-    split_tags = [tag for tag, piece in zip(tags, ids, strict=True) if piece == UNK_ID]
+    encoded = tokenizer.tokenize(tf.constant(list(tags)))
+    pieces = tokenizer.id_to_piece(encoded.flat_values).numpy().tolist()
+    split_tags, at = [], 0
+    for tag, ids in zip(tags, encoded.to_list(), strict=True):
+        words = pieces[at:at + len(ids)]
+        at += len(ids)
+        if words and words[0] == "▁".encode():  # the word boundary, a piece of its own
+            ids = ids[1:]
+        if len(ids) != 1 or ids[0] == UNK_ID:
+            split_tags.append(tag)
     if split_tags:
         raise PreparedError(
             f"the tag {split_tags[0]!r} is not one piece of the given tokenizer (the run "

@@ -249,11 +249,15 @@ class PreparedFolder:
         if corpus_mix(recorded) != corpus_mix(current):
             # The files match one by one, but not how they are combined: another
             # --synthetic, --add-data, --upsample-real or tag is another corpus.
+            then, now = describe_mix(recorded), describe_mix(current)
+            if then == now:
+                now = "the same files, carved (or cleaned) otherwise"
             raise PreparedError(
                 f"{self.directory} was prepared from another mix of corpora "
-                f"({describe_mix(recorded)}; this run's: {describe_mix(current)}); use the "
-                "same --data/--add-data/--synthetic/--upsample-real/--synthetic-tag, "
-                "another directory, or delete it to prepare again")
+                f"({then}; this run's: {now}); use the "
+                "same --data/--add-data/--synthetic/--upsample-real/--synthetic-tag (and, "
+                "for carved splits, --seed/--carve-pairs/--clean-train), another directory, "
+                "or delete it to prepare again")
         touched = []
         for old, new in zip(recorded.get("files", []), current.get("files", []), strict=False):
             if old["path"] != new["path"] or (
@@ -395,7 +399,8 @@ def describe_mix(identity: Mapping[str, Any]) -> str:
     def part(mix: Mapping[str, Any], name: str) -> str:
         return (name + (f" ×{mix['repeat']}" if mix["repeat"] != 1 else "")
                 + (f" tagged {mix['source_tag']}" if mix["source_tag"] else "")
-                + (" (a selection)" if mix["selection"] else ""))
+                + (f" ({describe_selection(mix['selection'])})" if mix["selection"]
+                   else ""))
 
     mix = corpus_mix(identity)
     if not mix["parts"]:
@@ -403,3 +408,12 @@ def describe_mix(identity: Mapping[str, Any]) -> str:
     names = [str(p.get("origin", "?")) for p in identity["parts"]]
     return f"{len(names)} parts: " + ", ".join(
         part(m, name) for m, name in zip(mix["parts"], names, strict=True))
+
+
+def describe_selection(selection: Mapping[str, Any]) -> str:
+    """A training selection's identity (:meth:`pipelines.pair_selection.TrainSelection.identity`)
+    in words: "seed 0, val and test carved out, noise dropped"."""
+    held_out = " and ".join(str(band[0]) for band in selection.get("bands") or [])
+    return ", ".join([f"seed {selection.get('seed')}"]
+                     + ([f"{held_out} carved out"] if held_out else [])
+                     + (["noise dropped"] if selection.get("clean") else []))

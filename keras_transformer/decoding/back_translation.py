@@ -248,7 +248,7 @@ def back_translate(
             session["action"] = "resumed" if state["lines_done"] else "started"
         if session["action"] not in ("started", "resumed"):
             record = read_provenance(out)
-            if record.get("lines_done") != state["lines_done"]:
+            if state["sessions"] and record.get("lines_done") != state["lines_done"]:
                 # progress.json is written before provenance.json: a stop (or a full disk)
                 # between the two leaves the provenance one chunk behind; bring it up.
                 record = write_provenance(out, state, fixed, counts)

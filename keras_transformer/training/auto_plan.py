@@ -197,16 +197,16 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
         "choices": {name: dataclasses.asdict(choice) for name, choice in chosen.items()},
     }
     if budget.steps is None:
-        record["repeat"] = repeat_flags(chosen)
+        record["repeat"] = repeat_flags(chosen, final.model.preset)
     return AutoPlan(final, record)
 
 
-def repeat_flags(choices: dict[str, Choice]) -> str:
+def repeat_flags(choices: dict[str, Choice], preset: str) -> str:
     """The flags that repeat a minutes budget's plan without measuring: its steps as
-    --budget-steps, its preset (a minutes budget may step a preset down to fit) and the val
-    grid it shrank to fit its end (a steps budget keeps the full grid)."""
+    --budget-steps, the preset it trains (a minutes budget may step a preset down to fit)
+    and the val grid it shrank to fit its end (a steps budget keeps the full grid)."""
     flags = ["--recipe auto", f"--budget-steps {choices['max_steps'].value}",
-             f"--preset {choices['preset'].value}"]
+             f"--preset {preset}"]
     flags += [f"--{name.replace('_', '-')} {choices[name].value}"
               for name in ("val_beams", "val_sentences") if name in choices]
     return " ".join(flags)
@@ -478,8 +478,11 @@ def recorded_plan(config: TrainConfig) -> AutoPlan | None:
     if plan is None:
         return None  # not an auto run: the identity check names what differs
     request = _request(config)
-    if plan["request"] != request:
-        given, before = request["given"], plan["request"]["given"]
+    # Plans recorded before _RUN_HERE was left out of the request may hold those flags.
+    before = {name: value for name, value in plan["request"]["given"].items()
+              if name not in _RUN_HERE}
+    if {**plan["request"], "given": before} != request:
+        given = request["given"]
         changed = sorted(name for name in set(given) | set(before)
                          if given.get(name) != before.get(name))
         raise UsageError(f"{config.output.out} was planned by --recipe auto with other "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,10 +162,11 @@ def old_test_corpus(run: InitialRun, load: Callable[..., Any]):
     split = arguments.get("test_split", "test")
     if not arguments.get("data") or str(split).lower() == "none":
         return None
+    manual_dir = arguments.get("manual_dir")  # only needed to build tfds' data: not if gone
     try:
         return load(arguments["data"], split, arguments["src"].split(",")[0].strip(),
                     arguments["tgt"], data_dir=arguments.get("data_dir"),
-                    manual_dir=arguments.get("manual_dir"))
+                    manual_dir=manual_dir if manual_dir and os.path.isdir(manual_dir) else None)
     except ValueError:  # CorpusError: moved or absent
         return None
 

@@ -63,6 +63,7 @@ def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLo
         raise UsageError("without TensorFlow, --backend jax trains from a folder prepared on "
                          "a machine with TensorFlow: pass --prepared DIR (made by python -m "
                          "keras_transformer.prepare).")
+    plan = None
     if config.recipe == AUTO:  # planned where TensorFlow read the corpus, or refused
         plan = auto_plan.recorded_plan(config)
         if plan is None:
@@ -74,6 +75,8 @@ def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLo
     folder = PreparedFolder.load(config.data.prepared)
     folder.verify()
     record = run_directory.run_record(config, model_config)
+    if plan is not None:  # config.json is written again: its plan stays in it
+        record["auto"] = plan.record
     out = Path(config.output.out)
     run_directory.lock_existing_run(lock)
     mode = run_directory.inspect_run_dir(out, record["identity"],

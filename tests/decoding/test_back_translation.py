@@ -147,6 +147,10 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(loaded, mono, tmp_path):
     on_disk = json.loads((out / PROVENANCE_FILE).read_text())
     assert on_disk["complete"] and on_disk["lines_done"] == 25
     assert on_disk["counts"] == resumed["counts"]
+    # Nothing to translate in a new folder (--max-lines 0): said so, nothing to bring up.
+    nothing = _bt(loaded, path, tmp_path / "nothing", max_lines=0, **sampled)
+    assert nothing["session"]["action"].startswith("nothing to do")
+    assert not nothing["complete"]
 
 
 def test_sampling_is_reproducible_for_a_seed_whatever_the_chunks(loaded, mono, tmp_path):

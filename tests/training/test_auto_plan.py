@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -247,6 +248,10 @@ def test_a_short_minutes_budget_shrinks_the_val_grid(corpus, tmp_path):
                 result.config.model, result.config.data, result.config.output,
                 result.config.batches) for name in same if hasattr(section, name)})
     assert again.config.evaluation.val_beams == "4"
+    # A given preset is the one repeated (auto's own choice would be another model).
+    given, _ = plan(tmp_path / "given", data=corpus, budget_minutes=3, assume_step_seconds=0.5,
+                    **{**TOY, "preset": "tiny"})
+    assert given.config.model.preset == "tiny" and "--preset tiny" in given.record["repeat"]
 
 
 @pytest.mark.parametrize("step_seconds, measured_end", [(0.443, 169.6), (0.730, 250.1)])
@@ -563,7 +568,8 @@ def test_a_larger_preset_with_no_time_to_train_is_stepped_down(tmp_path):
     assert value(result, "max_steps") > 1000
 
 
-def test_an_auto_run_trained_on_jax_is_finished_by_its_finishing_command(auto_run):
+def test_an_auto_run_trained_on_jax_is_finished_by_its_finishing_command(auto_run,
+                                                                          tmp_path):
     """`train --backend jax` resumes the plan in config.json; the command it prints to score
     and export under TensorFlow gives the user's flags (not the plan's, which would be
     another request, nor --max-steps, which auto refuses) and reads the same plan."""
@@ -586,3 +592,10 @@ def test_an_auto_run_trained_on_jax_is_finished_by_its_finishing_command(auto_ru
                 if name not in here})
     assert run_record(finishing.config, finishing.config.check())["identity"] == (
         recorded["identity"])
+    # A plan recorded before these three were left out of the request still resumes.
+    older = tmp_path / "older"
+    shutil.copytree(auto_run["out"], older)
+    recorded["auto"]["request"]["given"]["precision"] = "float32"
+    (older / "config.json").write_text(json.dumps(recorded))
+    flags = {**auto_run["flags"], "out": str(older)}
+    assert auto_plan.recorded_plan(train_config(**flags)).record == recorded["auto"]

@@ -145,3 +145,9 @@ def test_the_old_test_split_is_read_where_the_old_run_read_it(tmp_path):
     assert old_test_corpus(InitialRun(tmp_path, {"arguments": {**arguments,
                                                                "test_split": "none"}}, {}),
                            load) is None
+    # A --manual-dir is only needed to build tfds' data: one since deleted is not passed.
+    for manual_dir, passed in ((tmp_path / "gone", None), (tmp_path, str(tmp_path))):
+        calls.clear()
+        old_test_corpus(InitialRun(tmp_path, {"arguments": {
+            **arguments, "manual_dir": str(manual_dir)}}, {}), load)
+        assert calls[0][1]["manual_dir"] == passed
