@@ -191,7 +191,8 @@ def _translate_batch(translator: Translator, lines, prefixes, args, bar) -> list
 def _formatted(results: list[Translation], args) -> list[str]:
     """The output lines: JSONL records, n-best lines (Marian's format), or translations."""
     if args.format == "jsonl":
-        return jsonl([result.as_json(line) for line, result in enumerate(results)])
+        return jsonl([result.as_json(line, nbest=args.n_best > 1)
+                      for line, result in enumerate(results)])
     out = []
     for line, result in enumerate(results):
         hypotheses = result.hypotheses if args.n_best > 1 else result.hypotheses[:1]

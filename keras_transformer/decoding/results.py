@@ -102,12 +102,14 @@ class Translation:
         """The best output."""
         return self.hypotheses[0].text
 
-    def as_json(self, line: int) -> dict[str, Any]:
-        """One JSONL record: the best hypothesis' fields at the top, all of them in `nbest`."""
+    def as_json(self, line: int, nbest: bool = False) -> dict[str, Any]:
+        """One JSONL record: the best hypothesis' fields at the top, all of them in `nbest`
+        when there are several or `nbest` asks for it (several were asked for: an empty or
+        split line has one, and its record keeps the field readers look for)."""
         best = self.hypotheses[0].as_json()
         record = {"line": line, "translation": best.pop("text"), **best,
                   "flags": self.flags, "source_pieces": self.source_pieces}
-        if len(self.hypotheses) > 1:
+        if nbest or len(self.hypotheses) > 1:
             record["nbest"] = [hypothesis.as_json() for hypothesis in self.hypotheses]
         return record
 
@@ -147,7 +149,13 @@ def _joined(parts, flags, alpha: float, token_scores: bool, alignment: bool) -> 
         finished=all(best.finished for best in bests),
         pieces=[piece for best in bests for piece in best.pieces])
     if token_scores:
-        joined.token_log_probs = [value for best in bests for value in best.token_log_probs]
+        # One entry per piece, in order; the segments' EOS log-probs (each finished segment
+        # ends with one) together in one last entry, so that they still sum to log_prob.
+        joined.token_log_probs = [value for best in bests
+                                  for value in best.token_log_probs[:len(best.pieces)]]
+        if any(best.finished for best in bests):
+            joined.token_log_probs.append(sum(best.token_log_probs[-1] for best in bests
+                                              if best.finished))
     if alignment:
         links, source_offset, target_offset = [], 0, 0
         for (_, _, source_pieces), best in zip(parts, bests, strict=True):

@@ -109,13 +109,14 @@ def read_initial_run(path: str | Path) -> InitialRun:
 
 
 def check_prepared_tokenizer(run: InitialRun, prepared) -> None:
-    """Refuses prepared data whose tokenizer is not the initial run's.
+    """Refuses prepared data (a `PreparedFolder`) whose tokenizer is not the initial run's:
+    the bytes of their sentencepiece models compared (no TensorFlow needed: a JAX run).
 
     Raises:
         UsageError: naming both, and how to fix it.
     """
-    proto = prepared.tokenizer().model_proto
-    if hashlib.sha256(proto).hexdigest() != run.tokenizer_sha256():
+    model_file = Path(prepared.directory) / run_directory.TOKENIZER_DIR / "spm.model"
+    if hashlib.sha256(model_file.read_bytes()).hexdigest() != run.tokenizer_sha256():
         raise UsageError(f"{prepared.directory} was tokenized with another vocabulary than "
                          f"--init-from {run.path}: prepare the data again for this run (leave "
                          "out --prepared, or give a new folder)")

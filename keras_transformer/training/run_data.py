@@ -15,11 +15,9 @@ from keras_transformer import run_directory
 from keras_transformer.cluster.workers import wait_for_all
 from keras_transformer.decoding.synthetic_corpus import PROVENANCE_FILE
 from keras_transformer.errors import UsageError
+from keras_transformer.training import prepared_checks
 from keras_transformer.training.config import DataConfig, TrainConfig, comma_separated
-from keras_transformer.training.fine_tuning import (
-    InitialRun,
-    check_prepared_tokenizer,
-)
+from keras_transformer.training.fine_tuning import InitialRun
 from pipelines.carving import Carving, carve_corpus
 from pipelines.corpora import (
     TFDS_PREFIX,
@@ -36,7 +34,6 @@ from pipelines.prepared import (
     PreparedCorpus,
     PreparedError,
     prepare_corpus,
-    sampling_settings,
 )
 from pipelines.tfds_corpora import resolve_split
 from pipelines.tokenizer import SubwordTokenizer
@@ -209,31 +206,14 @@ def prepared_dir(config: TrainConfig) -> Path:
 
 
 def check_prepared(config: TrainConfig, prepared, initial: InitialRun | None = None) -> None:
-    """Refuses prepared data made with settings other than this run's.
-
-    Languages, vocabulary size and tokenizer sample must be equal; the run's --max-length
-    may be lower than the prepared one (longer pairs are then left out when batching).
+    """`prepared_checks.check_prepared`, with the origins of --tokenizer-data's corpora.
 
     Raises:
         UsageError: naming each difference.
     """
-    try:
-        prepared.check_settings({"src_lang": config.data.src, "tgt_lang": config.data.tgt,
-                                 "vocab_size": config.data.vocab_size,
-                                 "tokenizer_sample": config.data.tokenizer_sample,
-                                 **({"tokenizer_data": [split.origin for split in
-                                                        open_tokenizer_data(config.data)]}
-                                    if config.data.tokenizer_data else {}),
-                                 **sampling_settings(config.data.subword_samples,
-                                                     config.data.subword_alpha)})
-    except PreparedError as error:
-        raise UsageError(str(error)) from None
-    if initial is not None:  # --init-from: its vocabulary
-        check_prepared_tokenizer(initial, prepared)
-    longest = prepared.settings["max_length"]
-    if config.data.max_length > longest:
-        raise UsageError(f"--max-length {config.data.max_length} is above the {longest} that "
-                         f"{prepared.directory} was prepared with; lower it, or prepare again")
+    origins = ([split.origin for split in open_tokenizer_data(config.data)]
+               if config.data.tokenizer_data else None)
+    prepared_checks.check_prepared(config, prepared, initial, origins)
 
 
 def find_prepared(config: TrainConfig, corpora: dict[str, Any], will_overwrite: bool,

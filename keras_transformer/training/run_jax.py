@@ -13,6 +13,7 @@ line naming the command that finishes it on a machine with TensorFlow (the same 
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import shutil
 import time
@@ -23,7 +24,7 @@ from typing import Any
 from keras_transformer import run_directory
 from keras_transformer.errors import TrainingDiverged, UsageError
 from keras_transformer.model.transformer import build_transformer
-from keras_transformer.training import auto_plan, fit_jax
+from keras_transformer.training import auto_plan, fine_tuning, fit_jax, prepared_checks
 from keras_transformer.training.config import TrainConfig
 from keras_transformer.training.final_weights import choose_final_weights
 from keras_transformer.training.keras_backend import check_backend, finishing_command
@@ -33,7 +34,6 @@ from pipelines import storage
 from pipelines.prepared_folder import PreparedFolder
 
 _LOG = logging.getLogger("keras_transformer")
-
 
 
 def train_prepared_on_jax(config: TrainConfig, say: Callable[..., None] = print
@@ -74,6 +74,11 @@ def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLo
     model_config = config.check()
     folder = PreparedFolder.load(config.data.prepared)
     folder.verify()
+    # What run.py checks too, before the run directory is touched: the folder's settings
+    # (and, fine-tuning, the old run's architecture and tokenizer), the validation split.
+    prepared_checks.check_prepared(config, folder, fine_tuning.initial_run(config, model_config))
+    budget = config.batches.budget(1, config.data.max_length)
+    validation = fit_jax.validation(config, None, folder, budget)
     record = run_directory.run_record(config, model_config)
     if plan is not None:  # config.json is written again: its plan stays in it
         record["auto"] = plan.record
@@ -86,11 +91,9 @@ def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLo
         return run_directory.read_json(out / run_directory.RESULTS_FILE)
     run_directory.take_run_dir(lock, mode, record["identity"],
                                overwrite=config.output.overwrite, resume=config.output.resume)
-    tokenizer = out / run_directory.TOKENIZER_DIR
-    if not tokenizer.exists():  # the finishing command decodes with it
-        shutil.copytree(folder.directory / run_directory.TOKENIZER_DIR, tokenizer)
-    budget = config.batches.budget(1, config.data.max_length)
-    validation = fit_jax.validation(config, None, folder, budget)
+    if mode == "fresh":  # written first, so that a run stopped from here on is resumable
+        storage.write_json(out / run_directory.CONFIG_FILE, record)
+    _copy_tokenizer(folder, out)  # the finishing command decodes with it
     outcome = fit_jax.train_model(config, record, folder, validation, budget, out, started)
     if outcome["diverged"]:
         raise TrainingDiverged(
@@ -113,3 +116,26 @@ def _train(config: TrainConfig, say: Callable[..., None], lock: storage.FolderLo
     return {**outcome, "final_weights": choice["chosen"], "averaged_steps": choice["steps"],
             "final_val_loss": choice["val_loss"], "finished": False,
             "finish_command": shlex.join(["python", *command[1:]])}
+
+
+def _copy_tokenizer(folder: PreparedFolder, out: Path) -> None:
+    """The folder's tokenizer into the run directory, whole or not at all (copied beside it,
+    then renamed); a resumed run's must be the folder's.
+
+    Raises:
+        UsageError: the run directory holds another tokenizer.
+    """
+    source, target = folder.directory / run_directory.TOKENIZER_DIR, out / run_directory.TOKENIZER_DIR
+    model_file = "spm.model"
+    if (target / model_file).is_file():
+        if (target / model_file).read_bytes() != (source / model_file).read_bytes():
+            raise UsageError(f"{target} differs from {source}: this run was trained with another "
+                             "vocabulary; use its original --prepared")
+        return
+    staging = out / f".{run_directory.TOKENIZER_DIR}.partial"
+    with storage.errors_about(out):
+        for stale in (staging, target):  # a copy cut short earlier
+            if stale.exists():
+                shutil.rmtree(stale)
+        shutil.copytree(source, staging)
+        os.replace(staging, target)

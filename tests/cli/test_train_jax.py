@@ -52,13 +52,14 @@ STEPS, EVERY, ACCUMULATE = 4, 2, 2
 SENTENCE_WORDS = (2, 3)
 
 
-def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0):
+def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0,
+           extra: tuple[str, ...] = ()):
     flags = ["--backend", "jax", "--data", str(data), "--src", "xx", "--tgt", "yy",
              "--prepared", str(prepared), "--preset", "tiny", "--vocab-size", "300",
              "--max-length", "32", "--tokens-per-batch", "256", "--accumulate",
              str(ACCUMULATE), "--dropout", "0.3", "--precision", "float32",
              "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--average-last", "2",
-             "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out)]
+             "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out), *extra]
     python = ["-m", "keras_transformer.train"] if with_tensorflow else ["-c", WITHOUT_TENSORFLOW]
     return subprocess.run([sys.executable, *python, *flags], cwd=REPO,
                           env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at)),
@@ -84,6 +85,13 @@ def test_jax_trains_without_tensorflow_resumes_exactly_and_names_its_finishing_c
     assert prepare_main(["--data", str(data), "--src", "xx", "--tgt", "yy", "--vocab-size",
                          "300", "--max-length", "32", "--out", str(prepared)]) == 0
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+
+    # Without TensorFlow, a folder prepared with other settings is refused as under
+    # TensorFlow, before the run directory is made (ids past the model's vocabulary).
+    refused = _train(data, prepared, tmp_path / "refused", extra=("--vocab-size", "400"))
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert "vocab_size: prepared with 300, wanted 400" in refused.stderr + refused.stdout
+    assert not (tmp_path / "refused").exists()
 
     # Where TensorFlow is installed, the JAX run finishes itself under TensorFlow.
     uninterrupted = _train(data, prepared, reference, with_tensorflow=True)

@@ -154,12 +154,15 @@ def test_jsonl_holds_what_the_python_api_gives(paths, tmp_path, capfd):
     expected = translate_batch(model, tokenizer, LINES, beam_size=3, num_hypotheses=2,
                                return_token_scores=True, return_alignment=True)
     for number, (record, result) in enumerate(zip(records, expected, strict=True)):
-        assert record == json.loads(json.dumps(result.as_json(number)))
+        assert record == json.loads(json.dumps(result.as_json(number, nbest=True)))
     assert set(records[0]) >= {"line", "translation", "score", "log_prob", "finished",
                                "pieces", "token_log_probs", "alignment", "flags",
                                "source_pieces", "nbest"}
     assert records[1]["flags"] == ["empty_input"] and records[1]["translation"] == ""
     assert len(records[0]["nbest"]) == 2
+    # With --n-best 2 every record has its n-best list, an empty line's of one.
+    assert records[1]["nbest"] == [{key: records[1][key] if key != "text" else "" for key in
+                                    records[0]["nbest"][0]}]
 
 
 def test_moses_nbest_and_alignment_text_formats(paths, tmp_path, capfd):

@@ -239,8 +239,14 @@ def test_long_lines_are_split_truncated_or_refused_and_flagged(model, tokenizer)
     assert all(0 <= i < source_words for i, _ in joined.alignment)
     # Each segment alone gives the same output: the line's output is its segments' outputs.
     segments = translate_batch(model, tokenizer, _segments_of(long_line, tokenizer, 24),
-                               max_input_tokens=24, beam_size=2)
+                               max_input_tokens=24, beam_size=2, return_token_scores=True)
     assert joined.text == " ".join(r.text for r in segments if r.text)
+    # token_log_probs: one entry per piece, segment after segment, then the segments' EOS
+    # log-probs together in one last entry.
+    bests = [r.hypotheses[0] for r in segments]
+    assert len(joined.token_log_probs) == len(joined.pieces) + any(b.finished for b in bests)
+    assert joined.token_log_probs[:len(joined.pieces)] == pytest.approx(
+        [value for b in bests for value in b.token_log_probs[:len(b.pieces)]], abs=1e-4)
     truncated = translate_batch(model, tokenizer, texts, max_input_tokens=24, beam_size=2,
                                 long_inputs="truncate")
     assert truncated[1].flags[:1] == ["truncated"] and len(truncated[1].source_pieces) == 23
