@@ -68,13 +68,18 @@ def transformer_spec(model, tokenizer, alignment_layer: int = DEFAULT_ALIGNMENT_
         alignment_heads=config.num_heads)
     d_model = config.d_model
     embedding = weights["source_embedding/embeddings"]
-    positions = np.asarray(sinusoidal_encoding(np.arange(POSITIONS), d_model), np.float32)
+    positions = np.asarray(sinusoidal_encoding(np.arange(POSITIONS), d_model,
+                                               config.max_wavelength), np.float32)
     for side in (spec.encoder, spec.decoder):
         side.scale_embeddings = True
         side.position_encodings.encodings = positions
     spec.encoder.embeddings[0].weight = embedding
-    spec.decoder.embeddings.weight = embedding
-    spec.decoder.projection.weight = embedding
+    if config.tie_embeddings:  # 3.4: one matrix for both embeddings and the output
+        spec.decoder.embeddings.weight = spec.decoder.projection.weight = embedding
+    else:  # CTranslate2's projection is (vocab, d_model); our kernel (d_model, vocab)
+        spec.decoder.embeddings.weight = weights["target_embedding/embeddings"]
+        spec.decoder.projection.weight = np.ascontiguousarray(
+            weights["output_projection/kernel"].T)
 
     def linear(target, *names: str) -> None:
         """`target` = the dense layers `names`, as one (out, in) matrix and bias."""

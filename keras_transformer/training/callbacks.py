@@ -330,6 +330,10 @@ class RunCheckpointer(keras.callbacks.Callback):
         self.checkpoints = backup.checkpoint_record(self.checkpoint_dir, state)
         self.diverged = False
         self.stopped_early = False
+        # The step of the last checkpoint interval's end: a resume from a stop between two
+        # checkpoints (--max-minutes, then a larger limit) ends its intervals off the grid,
+        # so a checkpoint is due where a multiple of checkpoint_every was passed, not hit.
+        self.last_step = int(state.get("step", 0))
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
@@ -340,7 +344,9 @@ class RunCheckpointer(keras.callbacks.Callback):
             return
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.backup_dir.mkdir(parents=True, exist_ok=True)
-        if step % self.checkpoint_every == 0 or self.model.stop_training:
+        passed = step // self.checkpoint_every > self.last_step // self.checkpoint_every
+        self.last_step = step
+        if passed or self.model.stop_training:
             path = checkpoint_path(self.checkpoint_dir, step)
             self.checkpoints[path.name] = save_model_weights(self.model, path)
             self._remove_old_checkpoints()

@@ -54,6 +54,7 @@ from keras_transformer.training.optimizer import cooldown_start
 from keras_transformer.training.recipes import AUTO
 from keras_transformer.training.step_budget import StepBudget
 from keras_transformer.training.val_choice import (
+    check_serving_options,
     choose_on_val_bleu,
     decoding_grid,
     describe_decoding,
@@ -119,6 +120,8 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
     cluster = None
     try:
         model_config = config.check()
+        if not config.output.no_export:
+            check_serving_options(config.evaluation)
         initial = fine_tuning.initial_run(config, model_config)  # --init-from, checked
         cluster = read_cluster()
         on_jax = config.optimization.backend == "jax"
@@ -218,8 +221,11 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
             raise
         if isinstance(failure, ClusterFailure):
             raise failure from None
-        if chief and mode == "fresh":
-            run_directory.delete_run_dir(out)  # nothing half-written stays behind
+        if chief and mode == "fresh" and not backup.list_generations(
+                out / run_directory.BACKUP_DIR):
+            # Nothing half-written stays behind; but a run that has trained (a shard read
+            # failing at hour 9, a worker's refusal) keeps its backups, to resume.
+            run_directory.delete_run_dir(out)
         raise _refused(failure, cluster) from None
     finally:
         if not chief:

@@ -19,6 +19,8 @@ import keras
 
 from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.errors import UsageError
+from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
 from keras_transformer.training.config import EvaluationConfig, comma_separated
 from keras_transformer.training.final_weights import by_val_bleu, choose_final_weights
 
@@ -44,6 +46,27 @@ def decoding_grid(beam: int, alpha: float, val_beams: str, val_alphas: str
     beams = sorted(set(comma_separated(val_beams, int))) or [beam]
     alphas = list(dict.fromkeys(comma_separated(val_alphas, float))) or [alpha]
     return beams, alphas
+
+
+def check_serving_options(evaluation: EvaluationConfig) -> None:
+    """Refuses a beam or length penalty for test and the export that the SavedModel cannot
+    serve (beams of 1 to `MAX_BEAM_SIZE`, alphas of 0 to `MAX_ALPHA`: its signatures clip
+    others), before the run trains rather than at its export.
+
+    Raises:
+        UsageError: naming the flags.
+    """
+    beams, alphas = ((decoding_grid(evaluation.beam, evaluation.alpha, evaluation.val_beams,
+                                    evaluation.val_alphas))
+                     if evaluation.choose_by == "bleu" else ([evaluation.beam], [evaluation.alpha]))
+    if any(not 1 <= beam <= MAX_BEAM_SIZE for beam in beams):
+        raise UsageError(f"--beam/--val-beams {', '.join(map(str, beams))}: the SavedModel "
+                         f"serves beams of 1 to {MAX_BEAM_SIZE}; choose among those, or pass "
+                         "--no-export")
+    if any(not 0 <= alpha <= MAX_ALPHA for alpha in alphas):
+        raise UsageError(f"--alpha/--val-alphas {', '.join(f'{a:g}' for a in alphas)}: the "
+                         f"SavedModel serves length penalties of 0 to {MAX_ALPHA:g}; choose "
+                         "among those, or pass --no-export")
 
 
 def val_sample(val, count: int) -> tuple[list[str], list[str]]:

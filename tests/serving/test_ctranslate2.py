@@ -76,6 +76,23 @@ def test_ctranslate2_scores_every_token_as_our_model(run, tmp_path, cli):
         np.testing.assert_allclose(result.log_probs, ours, atol=2e-4)
 
 
+def test_untied_embeddings_and_another_wavelength_convert_too(run, tmp_path):
+    """The target embedding and the output projection are their own matrices when untied
+    (`tie_embeddings=False`), and the positions follow the model's max_wavelength."""
+    _, tokenizer = run_directory.load_run(run)
+    keras.utils.set_random_seed(1)
+    model = build_transformer("tiny", vocab_size=tokenizer.vocab_size, tie_embeddings=False,
+                              max_wavelength=500.0)
+    export_ctranslate2(model, tokenizer, tmp_path / "ct2")
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "ct2" / "sentencepiece.model"))
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    source, target = "pemo kisa bada lira mudo tera", "mudax lirax dosax"
+    scored = translator.score_batch([pieces.encode(source, out_type=str)],
+                                    [pieces.encode(target, out_type=str)])
+    np.testing.assert_allclose(scored[0].log_probs, our_log_probs(
+        model, pieces.encode(source), pieces.encode(target)), atol=2e-4)
+
+
 def test_export_refuses_an_existing_directory_and_pre_norm_models(run, tmp_path):
     model, tokenizer = run_directory.load_run(run)
     (tmp_path / "taken").mkdir()

@@ -146,3 +146,25 @@ def test_metrics_log_appends_under_the_header_already_in_the_file(tmp_path):
     assert all(None not in row and None not in row.values() for row in rows)
     assert [row["val_loss"] for row in rows] == ["NA", "4.5", "NA"]
     assert rows[1]["val_learning_rate"] == "NA"  # a column no validation logs
+
+
+def test_a_run_resumed_off_the_checkpoint_grid_still_checkpoints_every_interval(tmp_path):
+    """Stopped at step 45 (--max-minutes) and resumed with a larger limit: its intervals of
+    10 now end at 55, 65, ...; each passes a multiple of 10, so each is checkpointed."""
+    from keras_transformer.training.callbacks import RunCheckpointer
+
+    model = _compiled_tiny_model()
+    checkpointer = RunCheckpointer(tmp_path / "ckpt", tmp_path / "backup", checkpoint_every=10,
+                                   keep=5, patience=0, stopper=StopAt(1000, None),
+                                   state={"step": 45})
+    checkpointer.set_model(model)
+    for epoch, step in enumerate((55, 65, 75), 4):
+        model.optimizer.iterations.assign(step)
+        checkpointer.on_epoch_end(epoch, {"loss": 1.0})
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [55, 65, 75]
+    # On the grid, an interval shorter than the cadence checkpoints at its multiples only.
+    model.optimizer.iterations.assign(80)
+    checkpointer.on_epoch_end(7, {"loss": 1.0})
+    model.optimizer.iterations.assign(85)
+    checkpointer.on_epoch_end(8, {"loss": 1.0})
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")] == [55, 65, 75, 80]

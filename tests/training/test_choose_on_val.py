@@ -10,17 +10,19 @@ import random
 import numpy as np
 import pytest
 
+from keras_transformer.errors import UsageError
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training import val_choice
 from keras_transformer.training.checkpoints import checkpoint_path, save_model_weights
-from keras_transformer.training.config import train_config
+from keras_transformer.training.config import EvaluationConfig, train_config
 from keras_transformer.training.final_weights import (
     by_val_bleu,
     by_val_loss,
     choose_final_weights,
 )
-from keras_transformer.training.run import finish_run
+from keras_transformer.training.run import finish_run, run_training
 from keras_transformer.training.val_choice import (
+    check_serving_options,
     choose_decoding,
     choose_on_val_bleu,
     decoding_grid,
@@ -236,3 +238,18 @@ def test_finish_run_choosing_by_bleu_decodes_test_with_the_setting_chosen_on_val
     # both alphas) and beam 2 with alpha 1.0; beam 2 with alpha 0.6 is the winner's, reused.
     assert caplog.text.count("(already decoded)") == 2
     assert "decoding: beam " in caplog.text
+
+
+def test_a_decoding_the_export_cannot_serve_is_refused_before_training(tmp_path):
+    """The SavedModel serves beams of 1 to 16 and alphas of 0 to 10 (its signatures clip
+    others): a run that could choose another is refused at once, not after training."""
+    check_serving_options(EvaluationConfig(beam=16, alpha=10.0))
+    check_serving_options(EvaluationConfig(val_beams="24"))  # by loss, the grid is not used
+    with pytest.raises(UsageError, match=r"--beam/--val-beams 4, 24: .* 1 to 16"):
+        check_serving_options(EvaluationConfig(choose_by="bleu", val_beams="4,24"))
+    with pytest.raises(UsageError, match="length penalties of 0 to 10"):
+        check_serving_options(EvaluationConfig(alpha=12.0))
+    with pytest.raises(UsageError, match="--beam/--val-beams 20"):
+        run_training(train_config(data=str(tmp_path / "corpus"), src="de", tgt="en",
+                                  out=str(tmp_path / "run"), beam=20))
+    assert not (tmp_path / "run").exists()

@@ -242,3 +242,28 @@ def test_full_disk_stops_with_one_line_then_the_same_command_finishes(interrupte
         finished = same_command(command)
         _assert_finished(finished, out)
         assert "resuming at step" in _output(finished)
+
+
+def test_a_first_run_that_fails_after_training_keeps_what_it_trained(tmp_path, same_command,
+                                                                    monkeypatch):
+    """A fresh run that fails before it trains leaves nothing; one that fails after its first
+    backup (a shard unreadable at hour 9, another worker's refusal: a ValueError inside
+    training) keeps its backups, and the same command resumes it."""
+    from keras_transformer.errors import UsageError
+    from keras_transformer.training import run as run_module
+
+    data, out = write_toy_corpus(tmp_path / "corpus"), tmp_path / "run"
+    trained = run_module.train_model
+
+    def train_then_fail(*args, **kwargs):
+        trained(*args, **kwargs)
+        raise UsageError("train data: a shard became unreadable (EIO)")
+
+    monkeypatch.setattr(run_module, "train_model", train_then_fail)
+    failed = same_command(_command(data, out))
+    _assert_one_error_line(failed, 2, "unreadable")
+    assert (out / "backup").is_dir() and (out / "config.json").is_file()
+    monkeypatch.setattr(run_module, "train_model", trained)
+    resumed = same_command(_command(data, out))
+    assert resumed.returncode == 0, _output(resumed)[-3000:]
+    assert json.loads((out / "results.json").read_text())["steps"] == STEPS
