@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from keras_transformer.decoding.search import (
     DEFAULT_ALPHA,
@@ -26,8 +28,9 @@ from keras_transformer.decoding.search import (
 )
 from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
-from keras_transformer.run_directory import load_run
+from keras_transformer.run_directory import RESULTS_FILE, load_run
 from keras_transformer.serving.ctranslate2 import export_ctranslate2
+from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
 from keras_transformer.serving.saved_model import export_saved_model
 
 
@@ -45,8 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quantization", help="ctranslate2 only: e.g. int8 (default: float32 "
                         "weights; CTranslate2 can also quantize when loading)")
     parser.add_argument("--version", type=int, help="default: highest existing + 1")
-    parser.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE)
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
+    parser.add_argument("--beam", type=int, help="serving_default's beam size (default: the "
+                        f"run's, chosen on val, from its results.json; else {DEFAULT_BEAM_SIZE})")
+    parser.add_argument("--alpha", type=float, help="serving_default's length penalty (default: "
+                        f"the run's, from its results.json; else {DEFAULT_ALPHA})")
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS)
     parser.add_argument("--max-extra-length", type=int, default=DEFAULT_EXTRA_LENGTH)
     parser.add_argument("--jit-compile", action="store_true",
@@ -60,6 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "pip install -e '.[ctranslate2]'", file=sys.stderr)
         return 1
 
+    beam, alpha = run_decoding(Path(args.model), args.beam, args.alpha)
+    if not (1 <= beam <= MAX_BEAM_SIZE and 0 <= alpha <= MAX_ALPHA):
+        print(f"export: error: --beam must be in [1, {MAX_BEAM_SIZE}] and --alpha in [0, "
+              f"{MAX_ALPHA:g}] (the signatures clip others), got {beam} and {alpha}",
+              file=sys.stderr)
+        return 1
     try:
         model, tokenizer = load_run(args.model)
         if args.format == "ctranslate2":
@@ -68,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = export_saved_model(
             model, tokenizer, args.export_base, version=args.version,
             max_input_tokens=args.max_input_tokens, max_extra_length=args.max_extra_length,
-            beam_size=args.beam, alpha=args.alpha, jit_compile=args.jit_compile)
+            beam_size=beam, alpha=alpha, jit_compile=args.jit_compile)
     except StorageError as error:
         print(f"export: error: {error}", file=sys.stderr)
         return EXIT_STORAGE
@@ -77,6 +88,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(path)
     return 0
+
+
+def run_decoding(run: Path, beam: int | None, alpha: float | None) -> tuple[int, float]:
+    """The beam and length penalty to export: those given, else the run's (chosen on val,
+    recorded in its results.json, as its training exported them), else the defaults."""
+    results = run / RESULTS_FILE
+    recorded = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
+    return (beam if beam is not None else int(recorded.get("beam") or DEFAULT_BEAM_SIZE),
+            alpha if alpha is not None else float(recorded.get("alpha") if recorded.get(
+                "alpha") is not None else DEFAULT_ALPHA))
 
 
 if __name__ == "__main__":
