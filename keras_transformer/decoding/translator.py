@@ -141,6 +141,8 @@ def translate_batch(
         jit_compile=jit_compile)
     lines = clean_lines(texts)
     line_indices = list(range(len(lines)) if line_indices is None else line_indices)
+    if len(line_indices) != len(lines):  # each line's sampling seed comes from its index
+        raise ValueError(f"{len(line_indices)} line indices for {len(lines)} lines.")
     segments, flags = segment_lines(lines, lambda items: count_tokens(tokenizer, items),
                                     max_input_tokens, long_inputs)
     decoded = BatchDecoder(model, tokenizer, options, target_prefix, line_indices).run(

@@ -262,8 +262,9 @@ def export_saved_model(
     with storage.errors_about(export_base):  # a read-only or full disk already here
         export_base.mkdir(parents=True, exist_ok=True)
     storage.remove_stale_temporaries(export_base, _TEMP_PREFIX)
-    if version is None:
-        version = (latest_version(export_base) or 0) + 1
+    if version is None:  # after every version folder, also one without a saved_model.pb
+        version = max((int(path.name) for path in export_base.glob("*")
+                       if path.name.isdigit()), default=0) + 1
     if not isinstance(version, int) or version < 1:
         raise ValueError(f"version must be a positive integer, got {version!r}.")
     target = export_base / str(version)

@@ -167,6 +167,8 @@ def translate_batch_with_saved_model(
     check_supported(export, options, DETAILED_SIGNATURES)
     lines = clean_lines(texts)
     line_indices = list(range(len(lines)) if line_indices is None else line_indices)
+    if len(line_indices) != len(lines):  # each line's sampling seed comes from its index
+        raise ValueError(f"{len(line_indices)} line indices for {len(lines)} lines.")
     segments, flags = segment_lines(lines, lambda items: count_tokens(export.tokenizer, items),
                                     max_input_tokens, long_inputs)
     check_segments(export, segments, max_input_tokens)

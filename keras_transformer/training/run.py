@@ -216,6 +216,8 @@ def _train(config: TrainConfig, dry_run: bool, lock: storage.FolderLock) -> dict
             # A write of TensorFlow's or a library's own on a full disk (TensorBoard's event
             # files): one line naming the run directory, not a traceback.
             full = storage.storage_error(error, out)
+            if full is not None:  # the other workers stop with its reason, not a lost worker
+                report_refusal(str(full), cluster)
             if full is not None and full is not error:
                 raise full from None
             raise

@@ -179,6 +179,8 @@ def test_samples_depend_on_seed_and_line_not_on_batching_or_order(model, tokeniz
     resumed = translate_batch(model, tokenizer, lines[10:], line_indices=range(10, len(lines)),
                               **options)
     assert [r.text for r in resumed] == [r.text for r in whole[10:]]
+    with pytest.raises(ValueError, match="3 line indices for"):
+        translate_batch(model, tokenizer, lines, line_indices=[0, 1, 2], **options)
     other_seed = translate_batch(model, tokenizer, lines, **{**options, "seed": 4})
     assert [r.text for r in other_seed] != [r.text for r in whole]
     greedy = translate_batch(model, tokenizer, lines, beam_size=1, max_output_tokens=20)

@@ -329,6 +329,12 @@ def test_versions_increment_and_a_failed_export_leaves_nothing(exported, tmp_pat
     assert export_saved_model(model, tokenizer, base).name == "11"
     with pytest.raises(FileExistsError):
         export_saved_model(model, tokenizer, base, version=2)
+    # A version folder without a saved_model.pb (copied in part, made by hand) is skipped,
+    # not taken: an export without --version never fails on an existing folder.
+    (base / "12").mkdir()
+    assert export_saved_model(model, tokenizer, base).name == "13"
+    (base / "12").rmdir()
+    shutil.rmtree(base / "13")
 
     def killed_save(module, directory, signatures=None):
         Path(directory, "variables").mkdir()
