@@ -29,7 +29,7 @@ from typing import Any
 
 from pipelines import DEFAULT_CARVE_PAIRS
 from pipelines.corpora import CorpusError, CorpusSplit, ParallelCorpus
-from pipelines.pair_selection import NOISE_REASONS, TrainSelection, pair_hash
+from pipelines.pair_selection import NOISE_REASONS, TrainSelection, noise_reason, pair_hash
 
 CARVE_PAIRS = DEFAULT_CARVE_PAIRS
 # Each carved split is at most this share of a corpus... unless that is below
@@ -87,8 +87,13 @@ def carve_corpus(split: CorpusSplit, bands: Sequence[str] = ("val", "test"), *,
     heap: list[tuple[int, int, str, str]] = []
     copies: dict[int, int] = {}
     total = 0
-    for index, (source, target) in enumerate(split.pairs() if bands else ()):
+    # With clean, pairs empty on one side are read (not refused) and never carved: the
+    # training selection drops and counts them.
+    raw = dataclasses.replace(split, keep_one_sided=clean)
+    for index, (source, target) in enumerate(raw.pairs() if bands else ()):
         total += 1
+        if clean and noise_reason(source, target) == "empty":
+            continue
         hash_value = pair_hash(seed, source, target)
         if hash_value in copies:
             copies[hash_value] += 1
@@ -127,7 +132,7 @@ def carve_corpus(split: CorpusSplit, bands: Sequence[str] = ("val", "test"), *,
     train = dataclasses.replace(split, selection=selection)
     if clean:
         dropped: Counter = Counter()
-        kept = sum(1 for _ in selection.pairs(split.pairs(), dropped))
+        kept = sum(1 for _ in selection.pairs(raw.pairs(), dropped))
         report["clean"] = {"kept": kept, **{reason: dropped[reason]
                                             for reason in NOISE_REASONS}}
         report.setdefault("pairs", kept + sum(dropped.values()))

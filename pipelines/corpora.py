@@ -108,6 +108,9 @@ class CorpusSplit:
     repeat: int = 1
     source_tag: str = ""
     selection: TrainSelection | None = None
+    # Pass pairs empty on one side on (to a reader that drops and counts them) instead of
+    # refusing the corpus: `pipelines.carving` with clean. Not part of the identity.
+    keep_one_sided: bool = False
 
     def pairs(self) -> Iterator[tuple[str, str]]:
         """Validated ``(source, target)`` pairs in corpus order, streamed.
@@ -137,6 +140,9 @@ class CorpusSplit:
             yield from self.selection.pairs(self._read())
 
     def _read(self) -> Iterator[tuple[str, str]]:
+        # A selection that cleans (--clean-train) drops and counts pairs empty on one side:
+        # the reader passes them on instead of refusing the corpus.
+        one_sided = self.keep_one_sided or (self.selection is not None and self.selection.clean)
         if self.parts:
             for part in self.parts:
                 yield from part.pairs()
@@ -144,10 +150,10 @@ class CorpusSplit:
             paths = dict(zip((self.src_lang, self.tgt_lang), self.files, strict=True))
             columns = {lang: iter_text_lines(path) for lang, path in paths.items()}
             names = {lang: str(path) for lang, path in paths.items()}
-            yield from iter_aligned(columns, names)  # type: ignore[misc]
+            yield from iter_aligned(columns, names, one_sided=one_sided)  # type: ignore[misc]
         else:
             assert self.tfds is not None
-            yield from self.tfds.pairs()
+            yield from self.tfds.pairs(one_sided=one_sided)
 
     def load(self) -> ParallelCorpus:
         """The whole split in memory (for small splits: validation, test)."""

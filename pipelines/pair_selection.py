@@ -94,6 +94,9 @@ class TrainSelection:
         dropped = Counter() if dropped is None else dropped
         bound, seen = self.held_out_bound, set()
         for source, target in pairs:
+            if self.clean and not (source.strip() and target.strip()):
+                dropped["empty"] += 1  # never carved out either (`pipelines.carving`)
+                continue
             hash_value = pair_hash(self.seed, source, target)
             if hash_value <= bound:
                 dropped["held_out"] += 1

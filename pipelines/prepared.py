@@ -234,6 +234,7 @@ def prepare_corpus(
         storage.remove_stale_temporaries(directory.parent, prefix=_staging_prefix(directory))
         staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(directory)}{os.getpid()}-",
                                         dir=directory.parent))
+        staging.chmod(0o755)  # mkdtemp's 0700 would keep other users (a shared --prepared) out
     needed = failure = None  # the bytes DIR needs, once known; a failure of the storage
     try:
         settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,

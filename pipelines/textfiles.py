@@ -118,7 +118,8 @@ def read_text_file(path: str | Path) -> list[str]:
 
 
 def iter_aligned(
-    columns: Mapping[str, Iterable[str]], names: Mapping[str, str], *, unit: str = "line"
+    columns: Mapping[str, Iterable[str]], names: Mapping[str, str], *, unit: str = "line",
+    one_sided: bool = False,
 ) -> Iterator[tuple[str, ...]]:
     """Rows of parallel columns, checked in one streaming pass.
 
@@ -126,7 +127,8 @@ def iter_aligned(
     :func:`iter_text_lines`), ``names`` maps it to the file (or dataset) name used in
     messages, ``unit`` names an entry ("line", "example"). An entry counts as empty when
     it is only whitespace. Rows empty on *every* side carry no pair: they are skipped and
-    counted in a warning at the end.
+    counted in a warning at the end. With ``one_sided``, rows empty on some sides only are
+    yielded too (for a reader that drops and counts them: ``--clean-train``).
 
     Yields:
       One tuple per row, in the order of ``columns``.
@@ -165,6 +167,9 @@ def iter_aligned(
             if all(empty):
                 blank += 1
                 first_blank = first_blank or index
+                continue
+            if one_sided:
+                yield tuple(row)
                 continue
             empty_names = [names[lang] for lang, e in zip(langs, empty, strict=True) if e]
             full_names = [names[lang] for lang, e in zip(langs, empty, strict=True) if not e]

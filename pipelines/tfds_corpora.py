@@ -38,8 +38,9 @@ class TfdsSplit:
     src_lang: str
     tgt_lang: str
 
-    def pairs(self) -> Iterator[tuple[str, str]]:
-        """Validated ``(source, target)`` pairs, stripped, streamed in batches."""
+    def pairs(self, one_sided: bool = False) -> Iterator[tuple[str, str]]:
+        """Validated ``(source, target)`` pairs, stripped, streamed in batches (with
+        ``one_sided``, those empty on one side too: `pipelines.textfiles.iter_aligned`)."""
         try:
             dataset = self.builder.as_dataset(split=self.split, shuffle_files=False)
         except (ValueError, KeyError) as error:
@@ -50,7 +51,8 @@ class TfdsSplit:
         rows = self._decoded_rows(tfds.as_numpy(dataset.batch(_READ_BATCH)), names)
         first, second = itertools.tee(rows)
         columns = {langs[0]: (row[0] for row in first), langs[1]: (row[1] for row in second)}
-        yield from iter_aligned(columns, names, unit="example")  # type: ignore[misc]
+        yield from iter_aligned(columns, names, unit="example",  # type: ignore[misc]
+                                one_sided=one_sided)
 
     def _decoded_rows(self, batches, names) -> Iterator[tuple[str, str]]:
         number = 0

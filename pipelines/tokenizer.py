@@ -388,6 +388,7 @@ def _write_directory_atomically(directory: Path, files: Mapping[str, bytes]) -> 
             directory.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-",
                                             dir=directory.parent))
+            staging.chmod(0o755)  # mkdtemp's 0700 would keep other users out
             for name, content in files.items():
                 with open(staging / name, "wb") as handle:
                     handle.write(content)

@@ -96,6 +96,16 @@ def test_noise_is_counted_by_reason(tmp_path):
     report = carve_corpus(split, (), clean=True).report
     assert report["clean"] == {"kept": 3, "empty": 0, "length_ratio": 2, "duplicate": 2}
     assert report["pairs"] == 7 and "val" not in report
+    # A pair empty on one side: the reader refuses the corpus, naming the line; cleaning
+    # drops and counts it (carving never holds it out).
+    one_sided = write_train(tmp_path / "one_sided", *zip(*[*pairs, ("Ein Baum.", "  ")],
+                                                          strict=True), extra_splits=("val",))
+    with pytest.raises(CorpusError, match="line 8 is empty"):
+        list(open_corpus(one_sided, "train", "de", "en").pairs())
+    carving = carve_corpus(open_corpus(one_sided, "train", "de", "en"), (), clean=True)
+    assert carving.report["clean"] == {"kept": 3, "empty": 1, "length_ratio": 2,
+                                       "duplicate": 2}
+    assert list(carving.train.pairs()) == kept
 
 
 def test_too_small_a_corpus_is_refused(tmp_path):

@@ -248,6 +248,13 @@ def prepared(folder, tmp_path_factory) -> PreparedCorpus:
 # --- 1. preparation: every kept pair once, dropped pairs counted, the tokenizer ----------------
 
 
+def test_a_prepared_folder_is_readable_by_other_users(prepared):
+    """Prepared once (as root in a container, say), trained by another user: the folder and
+    its tokenizer are not left at mkdtemp's owner-only 0700."""
+    for folder in (prepared.directory, prepared.directory / "tokenizer"):
+        assert folder.stat().st_mode & 0o055 == 0o055, oct(folder.stat().st_mode)
+
+
 def test_every_kept_pair_appears_once_per_epoch(prepared, corpus):
     tokenizer = prepared.tokenizer()
     expected = kept_pairs(tokenizer, corpus)
