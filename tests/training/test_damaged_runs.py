@@ -259,11 +259,12 @@ def test_a_first_run_that_fails_after_training_keeps_what_it_trained(tmp_path, s
         trained(*args, **kwargs)
         raise UsageError("train data: a shard became unreadable (EIO)")
 
+    command = [*_command(data, out), "--max-steps", str(EVERY)]  # one backup: enough
     monkeypatch.setattr(run_module, "train_model", train_then_fail)
-    failed = same_command(_command(data, out))
+    failed = same_command(command)
     _assert_one_error_line(failed, 2, "unreadable")
-    assert (out / "backup").is_dir() and (out / "config.json").is_file()
+    assert (out / "backup" / f"step-{EVERY:08d}").is_dir() and (out / "config.json").is_file()
     monkeypatch.setattr(run_module, "train_model", trained)
-    resumed = same_command(_command(data, out))
+    resumed = same_command(command)
     assert resumed.returncode == 0, _output(resumed)[-3000:]
-    assert json.loads((out / "results.json").read_text())["steps"] == STEPS
+    assert json.loads((out / "results.json").read_text())["steps"] == EVERY
