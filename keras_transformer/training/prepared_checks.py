@@ -10,11 +10,14 @@ id the model learned.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from keras_transformer.errors import UsageError
 from keras_transformer.training.fine_tuning import InitialRun, check_prepared_tokenizer
 from pipelines.prepared_folder import PreparedError, sampling_settings
+
+_LOG = logging.getLogger("keras_transformer")
 
 if TYPE_CHECKING:
     from keras_transformer.training.config import TrainConfig
@@ -51,3 +54,11 @@ def check_prepared(config: TrainConfig, prepared: PreparedFolder,
     if data.max_length > longest:
         raise UsageError(f"--max-length {data.max_length} is above the {longest} that "
                          f"{prepared.directory} was prepared with; lower it, or prepare again")
+    if data.max_length < longest:  # the batches leave the longer pairs out: say how many
+        histograms = [shard["histogram"] for shard in prepared.manifest["shards"]]
+        total = sum(sum(histogram) for histogram in histograms)
+        longer = sum(sum(histogram[data.max_length + 1:]) for histogram in histograms)
+        if longer:
+            _LOG.info(f"{longer:,} of the {total:,} prepared pairs ({100 * longer / total:.2f}%) "
+                      f"are longer than --max-length {data.max_length} positions (prepared "
+                      f"with {longest}): left out of the batches")

@@ -52,3 +52,31 @@ def test_the_data_a_run_prepares_hold_its_val_split(tmp_path):
     entry = prepared.check_validation(config.data.val_split)
     assert entry["pairs"] == len(corpora["val"]) == 20
     assert entry["corpus_fingerprint"] == corpus_fingerprint(corpora["val"])
+    # Trained again from it with a lower --max-length: the pairs left out are counted.
+    import logging
+
+    from keras_transformer.training.prepared_checks import check_prepared
+
+    lengths = [length for shard in prepared.manifest["shards"]
+               for length, count in enumerate(shard["histogram"]) for _ in range(count)]
+    cut = sorted(lengths)[len(lengths) // 2]
+    shorter = train_config(data=str(data), src="xx", tgt="yy", vocab_size=300, max_length=cut,
+                           out=str(tmp_path / "run"), prepared=str(tmp_path / "prepared"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("keras_transformer")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        check_prepared(shorter, prepared)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    longer = sum(length > cut for length in lengths)
+    assert 0 < longer < len(lengths)
+    assert [record.getMessage() for record in records] == [
+        f"{longer:,} of the {len(lengths):,} prepared pairs ({100 * longer / len(lengths):.2f}%) "
+        f"are longer than --max-length {cut} positions (prepared with 32): left out of the "
+        "batches"]
