@@ -258,8 +258,14 @@ def open_corpus(
     folder = Path(data)
     index = find_parallel_files(folder)
     available = sorted(name for name, langs in index.items() if len(langs) >= 2)
+    # Among the splits with both languages first (a folder holding validation.en alone and
+    # dev.de/dev.en gives dev for "val"), then among all (to name what is missing).
+    both = sorted(name for name, langs in index.items() if {src_lang, tgt_lang} <= set(langs))
     try:
-        name = tfds_corpora.resolve_split(split, sorted(index), str(folder))
+        try:
+            name = tfds_corpora.resolve_split(split, both, str(folder))
+        except CorpusError:
+            name = tfds_corpora.resolve_split(split, sorted(index), str(folder))
     except CorpusError:
         raise CorpusError(
             f"{folder}: no split {split!r} (no {split}.{src_lang}[.gz] / {split}.{tgt_lang}[.gz]); "

@@ -67,6 +67,19 @@ def test_split_aliases_and_exact_names(folder):
     assert available_splits(str(folder)) == ["test_2016_flickr", "train", "val"]
 
 
+
+def test_a_split_is_resolved_among_those_holding_both_languages(tmp_path):
+    """validation.en alone (a target-side file) does not shadow dev.de/dev.en for "val"."""
+    write(tmp_path, "validation.en", EN[:2])
+    write(tmp_path, "dev.de", DE[:2])
+    write(tmp_path, "dev.en", EN[:2])
+    assert load_corpus(tmp_path, "val", "de", "en").split == "dev"
+    assert load_corpus(tmp_path, "validation", "de", "en").split == "dev"  # an alias too
+    write(tmp_path, "train.en", EN)
+    with pytest.raises(CorpusError, match=r"train\.de.*missing"):  # none has both: named
+        load_corpus(tmp_path, "train", "de", "en")
+
+
 def test_as_dataset_yields_string_pairs(folder):
     corpus = load_corpus(str(folder), "train", "de", "en")
     dataset = corpus.as_dataset()
