@@ -65,8 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               "pip install -e '.[ctranslate2]'", file=sys.stderr)
         return 1
 
-    beam, alpha = run_decoding(Path(args.model), args.beam, args.alpha)
-    if not (1 <= beam <= MAX_BEAM_SIZE and 0 <= alpha <= MAX_ALPHA):
+    try:
+        beam, alpha = run_decoding(Path(args.model), args.beam, args.alpha)
+    except ValueError as error:  # a damaged results.json
+        print(f"export: error: {args.model}: {error}", file=sys.stderr)
+        return 1
+    if args.format == "saved_model" and not (1 <= beam <= MAX_BEAM_SIZE
+                                             and 0 <= alpha <= MAX_ALPHA):
         print(f"export: error: --beam must be in [1, {MAX_BEAM_SIZE}] and --alpha in [0, "
               f"{MAX_ALPHA:g}] (the signatures clip others), got {beam} and {alpha}",
               file=sys.stderr)
@@ -92,12 +97,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_decoding(run: Path, beam: int | None, alpha: float | None) -> tuple[int, float]:
     """The beam and length penalty to export: those given, else the run's (chosen on val,
-    recorded in its results.json, as its training exported them), else the defaults."""
+    recorded in its results.json, as its training exported them; without a test split, in
+    its "decoding"), else the defaults, each where the run recorded none.
+
+    Raises:
+        ValueError: results.json is not JSON.
+    """
     results = run / RESULTS_FILE
     recorded = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
-    return (beam if beam is not None else int(recorded.get("beam") or DEFAULT_BEAM_SIZE),
-            alpha if alpha is not None else float(recorded.get("alpha") if recorded.get(
-                "alpha") is not None else DEFAULT_ALPHA))
+    chosen = recorded.get("decoding") if isinstance(recorded.get("decoding"), dict) else {}
+
+    def run_value(name: str, default):
+        for value in (recorded.get(name), chosen.get(name)):
+            if value is not None:
+                return value
+        return default
+
+    return (beam if beam is not None else int(run_value("beam", DEFAULT_BEAM_SIZE)),
+            alpha if alpha is not None else float(run_value("alpha", DEFAULT_ALPHA)))
 
 
 if __name__ == "__main__":

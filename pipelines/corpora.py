@@ -145,7 +145,8 @@ class CorpusSplit:
         one_sided = self.keep_one_sided or (self.selection is not None and self.selection.clean)
         if self.parts:
             for part in self.parts:
-                yield from part.pairs()
+                yield from (dataclasses.replace(part, keep_one_sided=True) if one_sided
+                            else part).pairs()
         elif self.files is not None:
             paths = dict(zip((self.src_lang, self.tgt_lang), self.files, strict=True))
             columns = {lang: iter_text_lines(path) for lang, path in paths.items()}
