@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ from keras_transformer.decoding.search import (
 )
 from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
-from keras_transformer.run_directory import RESULTS_FILE, load_run
+from keras_transformer.run_directory import RESULTS_FILE, load_run, read_json
 from keras_transformer.serving.ctranslate2 import export_ctranslate2
 from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
 from keras_transformer.serving.saved_model import export_saved_model
@@ -101,10 +100,10 @@ def run_decoding(run: Path, beam: int | None, alpha: float | None) -> tuple[int,
     its "decoding"), else the defaults, each where the run recorded none.
 
     Raises:
-        ValueError: results.json is not JSON.
+        ValueError (`run_directory.DamagedFileError`): results.json is not a JSON object.
     """
     results = run / RESULTS_FILE
-    recorded = json.loads(results.read_text(encoding="utf-8")) if results.is_file() else {}
+    recorded = read_json(results) if results.is_file() else {}
     chosen = recorded.get("decoding") if isinstance(recorded.get("decoding"), dict) else {}
 
     def run_value(name: str, default):

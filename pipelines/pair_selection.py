@@ -94,15 +94,15 @@ class TrainSelection:
         dropped = Counter() if dropped is None else dropped
         bound, seen = self.held_out_bound, set()
         for source, target in pairs:
-            if self.clean and not (source.strip() and target.strip()):
-                dropped["empty"] += 1  # never carved out either (`pipelines.carving`)
+            reason = noise_reason(source, target) if self.clean else None
+            if reason == "empty":  # never carved out either (`pipelines.carving`)
+                dropped[reason] += 1
                 continue
             hash_value = pair_hash(self.seed, source, target)
             if hash_value <= bound:
                 dropped["held_out"] += 1
                 continue
             if self.clean:
-                reason = noise_reason(source, target)
                 if reason is None and hash_value in seen:
                     reason = "duplicate"
                 if reason is not None:

@@ -339,14 +339,11 @@ def check_tags_are_pieces(tokenizer: SubwordTokenizer, tags: Sequence[str]) -> N
     """
     if not tags:
         return
-    encoded = tokenizer.tokenize(tf.constant(list(tags)))
-    pieces = tokenizer.id_to_piece(encoded.flat_values).numpy().tolist()
-    split_tags, at = [], 0
-    for tag, ids in zip(tags, encoded.to_list(), strict=True):
-        words = pieces[at:at + len(ids)]
-        at += len(ids)
-        if words and words[0] == "▁".encode():  # the word boundary, a piece of its own
-            ids = ids[1:]
+    boundary = int(tokenizer.piece_to_id(tf.constant("▁")))  # a word's start, its own piece
+    split_tags = []
+    for tag, ids in zip(tags, tokenizer.tokenize(tf.constant(list(tags))).to_list(),
+                        strict=True):
+        ids = ids[1:] if ids[:1] == [boundary] else ids
         if len(ids) != 1 or ids[0] == UNK_ID:
             split_tags.append(tag)
     if split_tags:

@@ -91,6 +91,19 @@ def clean_lines(texts: Sequence[str | bytes]) -> list[str]:
             clean_texts(tf.constant(raw, tf.string), WHOLE_LINE).numpy()]
 
 
+def line_numbers(line_indices: Sequence[int] | None, count: int) -> list[int]:
+    """Each of `count` lines' number in its file (its sampling seed comes from it): the
+    given `line_indices`, or 0 to count - 1.
+
+    Raises:
+        ValueError: as many indices as lines are needed.
+    """
+    numbers = list(range(count) if line_indices is None else line_indices)
+    if len(numbers) != count:
+        raise ValueError(f"{len(numbers)} line indices for {count} lines.")
+    return numbers
+
+
 def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
     if not texts:
         return []

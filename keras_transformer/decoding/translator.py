@@ -30,6 +30,7 @@ from keras_transformer.decoding.batch_decoder import (
     count_tokens,
     encode_targets,
     length_batches,
+    line_numbers,
 )
 from keras_transformer.decoding.long_inputs import Segment, segment_lines
 from keras_transformer.decoding.results import Translation, line_translation
@@ -140,9 +141,7 @@ def translate_batch(
         extra_length=extra_length, batch_size=batch_size, batch_tokens=batch_tokens,
         jit_compile=jit_compile)
     lines = clean_lines(texts)
-    line_indices = list(range(len(lines)) if line_indices is None else line_indices)
-    if len(line_indices) != len(lines):  # each line's sampling seed comes from its index
-        raise ValueError(f"{len(line_indices)} line indices for {len(lines)} lines.")
+    line_indices = line_numbers(line_indices, len(lines))
     segments, flags = segment_lines(lines, lambda items: count_tokens(tokenizer, items),
                                     max_input_tokens, long_inputs)
     decoded = BatchDecoder(model, tokenizer, options, target_prefix, line_indices).run(

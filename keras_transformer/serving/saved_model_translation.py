@@ -42,7 +42,12 @@ import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
 
 from keras_transformer.decoding.alignment import DEFAULT_ALIGNMENT_LAYER
-from keras_transformer.decoding.batch_decoder import clean_lines, count_tokens, length_batches
+from keras_transformer.decoding.batch_decoder import (
+    clean_lines,
+    count_tokens,
+    length_batches,
+    line_numbers,
+)
 from keras_transformer.decoding.long_inputs import segment_lines
 from keras_transformer.decoding.results import (
     Hypothesis,
@@ -166,9 +171,7 @@ def translate_batch_with_saved_model(
         jit_compile=jit_compile)
     check_supported(export, options, DETAILED_SIGNATURES)
     lines = clean_lines(texts)
-    line_indices = list(range(len(lines)) if line_indices is None else line_indices)
-    if len(line_indices) != len(lines):  # each line's sampling seed comes from its index
-        raise ValueError(f"{len(line_indices)} line indices for {len(lines)} lines.")
+    line_indices = line_numbers(line_indices, len(lines))
     segments, flags = segment_lines(lines, lambda items: count_tokens(export.tokenizer, items),
                                     max_input_tokens, long_inputs)
     check_segments(export, segments, max_input_tokens)

@@ -6,7 +6,6 @@ Library code of `run_training`: every function takes the run's `TrainConfig` and
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,7 +82,7 @@ def check_synthetic_folder(folder: Path, src: str, tgt: str) -> None:
     if not provenance.is_file():
         return  # synthetic pairs made elsewhere: taken as they are
     try:
-        record = json.loads(provenance.read_text(encoding="utf-8"))
+        record = run_directory.read_json(provenance)
     except (OSError, ValueError) as error:
         raise UsageError(f"--synthetic {folder}: {provenance} cannot be read ({error}); run "
                          "the back_translate command that made the folder again") from None
