@@ -58,8 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="test_2016_flickr")
     parser.add_argument("--src", help="source language code (with --data)")
     parser.add_argument("--tgt", help="target language code (with --data)")
-    parser.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1: greedy)")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="length penalty")
+    parser.add_argument("--beam", type=int, default=None,
+                        help="beam size (1: greedy; default: the model's own, chosen on val "
+                             "when it trained, as its test BLEU was scored (a SavedModel: its "
+                             f"serving_default's), else {DEFAULT_BEAM_SIZE})")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help=f"length penalty (default: the model's own, else {DEFAULT_ALPHA})")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--output", help="also write the translations to this file")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON")
@@ -81,11 +85,13 @@ def _evaluate(argv: Sequence[str] | None) -> int:
             parser.error("--data needs --src and --tgt")
     elif not (args.src_file and args.ref_file):
         parser.error("give --src-file and --ref-file, or --data with --src and --tgt")
-    if args.beam < 1 or args.batch_size < 1 or args.alpha < 0:
+    if (args.beam is not None and args.beam < 1) or args.batch_size < 1 or (
+            args.alpha is not None and not 0 <= args.alpha < float("inf")):
         parser.error("--beam and --batch-size must be >= 1, --alpha >= 0")
     try:
         sources, references = _read_pair(args)
         translator = load_translator(args.model)
+        args.beam, args.alpha = translator.resolve_search(args.beam, args.alpha)
     except (UsageError, ModelError) as error:
         print(f"evaluate: error: {error}", file=sys.stderr)
         return 1

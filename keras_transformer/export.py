@@ -27,7 +27,7 @@ from keras_transformer.decoding.search import (
 )
 from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
-from keras_transformer.run_directory import RESULTS_FILE, load_run, read_json
+from keras_transformer.run_directory import load_run, run_decoding
 from keras_transformer.serving.ctranslate2 import export_ctranslate2
 from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
 from keras_transformer.serving.saved_model import export_saved_model
@@ -92,28 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(path)
     return 0
-
-
-def run_decoding(run: Path, beam: int | None, alpha: float | None) -> tuple[int, float]:
-    """The beam and length penalty to export: those given, else the run's (chosen on val,
-    recorded in its results.json, as its training exported them; without a test split, in
-    its "decoding"), else the defaults, each where the run recorded none.
-
-    Raises:
-        ValueError (`run_directory.DamagedFileError`): results.json is not a JSON object.
-    """
-    results = run / RESULTS_FILE
-    recorded = read_json(results) if results.is_file() else {}
-    chosen = recorded.get("decoding") if isinstance(recorded.get("decoding"), dict) else {}
-
-    def run_value(name: str, default):
-        for value in (recorded.get(name), chosen.get(name)):
-            if value is not None:
-                return value
-        return default
-
-    return (beam if beam is not None else int(run_value("beam", DEFAULT_BEAM_SIZE)),
-            alpha if alpha is not None else float(run_value("alpha", DEFAULT_ALPHA)))
 
 
 if __name__ == "__main__":

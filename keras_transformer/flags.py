@@ -129,15 +129,18 @@ def check_search_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     """The checks of `translate`'s and `back_translate`'s search, sampling and length flags
     (`--beam`, `--alpha`, `--batch-size`, `--batch-tokens`, `add_sampling_flags`',
     `--max-input-tokens`, `--max-output-tokens`); `parser.error` at the first problem."""
+    # --beam and --alpha may be left out (None: the model's own, `Translator.resolve_search`)
+    alpha = 0.0 if args.alpha is None else args.alpha
     finite = all(math.isfinite(value) for value in (
-        args.alpha, args.sampling_topp, args.sampling_temperature))
+        alpha, args.sampling_topp, args.sampling_temperature))
     if not finite:
         parser.error("--alpha, --sampling-topp and --sampling-temperature must be finite")
-    if args.beam < 1 or args.batch_size < 1 or args.batch_tokens < 1 or args.alpha < 0:
+    if (args.beam is not None and args.beam < 1) or args.batch_size < 1 \
+            or args.batch_tokens < 1 or alpha < 0:
         parser.error("--beam, --batch-size and --batch-tokens must be >= 1, --alpha >= 0")
     if not 0 <= args.seed < 2**32:
         parser.error("--seed must be in [0, 2**32)")
-    if args.sampling_topk != 1 and args.beam != 1:
+    if args.sampling_topk != 1 and args.beam not in (None, 1):
         parser.error("sampling (--sampling-topk other than 1) draws one token a step: --beam 1")
     if args.sampling_topk < 0 or not 0 < args.sampling_topp <= 1 or args.sampling_temperature <= 0:
         parser.error("--sampling-topk must be >= 0, --sampling-topp in (0, 1], "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
+from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.errors import UsageError
 from pipelines import DEFAULT_CARVE_PAIRS, storage
 
@@ -102,6 +103,30 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise DamagedFileError(f"{path} is damaged (a JSON {type(data).__name__}, not an "
                                f"object); {_DAMAGED_ADVICE.get(path.name, 'restore or delete it')}")
     return data
+
+
+def run_decoding(run: str | Path, beam: int | None = None,
+                 alpha: float | None = None) -> tuple[int, float]:
+    """The beam size and length penalty to decode a run with: those given, else the run's
+    (chosen on val, recorded in its results.json; without a test split, in its "decoding"),
+    else the paper's (`decoding.search.DEFAULT_BEAM_SIZE`, `DEFAULT_ALPHA`), each where the run
+    recorded none.
+
+    Raises:
+        DamagedFileError: results.json is not a JSON object.
+    """
+    results = Path(run) / RESULTS_FILE
+    recorded = read_json(results) if results.is_file() else {}
+    chosen = recorded.get("decoding") if isinstance(recorded.get("decoding"), dict) else {}
+
+    def run_value(name: str, default):
+        for value in (recorded.get(name), chosen.get(name)):
+            if value is not None:
+                return value
+        return default
+
+    return (beam if beam is not None else int(run_value("beam", DEFAULT_BEAM_SIZE)),
+            alpha if alpha is not None else float(run_value("alpha", DEFAULT_ALPHA)))
 
 
 class RunDirError(UsageError):

@@ -69,9 +69,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="text: translations (n-best: Marian's format); jsonl: one JSON "
                              "object per line with scores and flags (docs/translating.md)")
     search = parser.add_argument_group("search")
-    search.add_argument("--beam", type=int, default=DEFAULT_BEAM_SIZE, help="beam size (1: greedy)")
-    search.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                        help="length penalty exponent of the score")
+    search.add_argument("--beam", type=int, default=None,
+                        help="beam size (1: greedy; default: the model's own, chosen on val "
+                             "when it trained (a SavedModel: its serving_default's), else "
+                             f"{DEFAULT_BEAM_SIZE}; 1 when sampling; at least --n-best)")
+    search.add_argument("--alpha", type=float, default=None,
+                        help="length penalty exponent of the score (default: the model's "
+                             f"own, as --beam, else {DEFAULT_ALPHA})")
     search.add_argument("--n-best", type=int, default=1, metavar="N",
                         help="hypotheses per line, best first (at most --beam)")
     add_sampling_flags(search)
@@ -104,8 +108,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(parser, args) -> None:
     check_search_flags(parser, args)
-    if not 1 <= args.n_best <= args.beam:
+    if not 1 <= args.n_best <= (args.beam or args.n_best):
         parser.error(f"--n-best must be in [1, --beam] (--beam is {args.beam})")
+    if args.n_best > 1 and args.sampling_topk != 1:
+        parser.error("--n-best needs a beam search: sampling draws one hypothesis a line")
     if args.token_scores and args.format != "jsonl":
         parser.error("--token-scores needs --format jsonl")
 
@@ -144,6 +150,8 @@ def _translate(argv: Sequence[str] | None) -> int:
                 raise LineError(f"--prefix {args.prefix} has {len(prefixes)} lines, the input "
                                 f"{len(lines)}: one prefix (or an empty line) per input line.")
         translator = load_translator(args.model)
+        args.beam, args.alpha = translator.resolve_search(
+            args.beam, args.alpha, sampling_topk=args.sampling_topk, num_hypotheses=args.n_best)
         if args.plot_attention and translator.model is None:
             raise ModelError("--plot-attention needs a run directory (the Keras model); a "
                              "SavedModel does not expose attention weights.")

@@ -89,3 +89,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("shared_artifacts"))
         else:  # a module's tests together: its module-scoped fixtures are made once
             item.add_marker(pytest.mark.xdist_group(path))
+    items[:] = sorted(items, key=_start_order(items))
+
+
+# The groups that take a minute or more on the AVX-512 machine, longest first (the suite's
+# durations: pytest --durations=40). pytest-xdist would start the groups with the most tests
+# first (`--no-loadscope-reorder` in pyproject.toml turns that off), which left single-test
+# groups of two or three minutes to the end while the other worker idled: longest first,
+# each worker ends within about one short group of the other.
+_LONGEST_GROUPS = ("cluster", "shared_artifacts", "tests/training/test_gpu_path.py",
+                   "tests/training/test_killed_writes.py", "tests/cli/test_train_jax.py",
+                   "tests/training/test_damaged_runs.py", "tests/training/test_accumulation.py",
+                   "tests/training/test_resume.py", "tests/test_notebooks.py",
+                   "tests/cli/test_train.py", "tests/test_jax_backend.py")
+
+
+def _group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+def _start_order(items):
+    """Sort key: the longest groups in `_LONGEST_GROUPS`' order, then the others by their
+    number of tests, most first (pytest-xdist's own order); a group's tests keep theirs."""
+    sizes = {}
+    for item in items:
+        sizes[_group(item)] = sizes.get(_group(item), 0) + 1
+
+    def key(item) -> tuple[int, int]:
+        group = _group(item)
+        if group in _LONGEST_GROUPS:
+            return (_LONGEST_GROUPS.index(group), 0)
+        return (len(_LONGEST_GROUPS), -sizes[group])
+
+    return key

@@ -17,6 +17,7 @@ import numpy as np
 
 from keras_transformer.decoding.alignment import DEFAULT_ALIGNMENT_LAYER
 from keras_transformer.decoding.batch_decoder import count_tokens
+from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.errors import UsageError
 from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
 from keras_transformer.serving.saved_model import METADATA_FILE
@@ -40,6 +41,8 @@ class Export:
     max_beam_size: int
     alignment_layer: int
     decoder_layers: int | None
+    beam_size: int = DEFAULT_BEAM_SIZE  # serving_default's (exported; an older export: none)
+    alpha: float = DEFAULT_ALPHA
 
     @property
     def max_output_tokens(self) -> int:
@@ -67,7 +70,9 @@ def open_export(path: str | Path, loaded) -> Export:
     return Export(path, loaded.signatures, export_tokenizer(path), *limits,
                   int(metadata.get("max_beam_size", MAX_BEAM_SIZE)),
                   int(metadata.get("alignment_layer", DEFAULT_ALIGNMENT_LAYER)),
-                  metadata.get("model_config", {}).get("num_layers"))
+                  metadata.get("model_config", {}).get("num_layers"),
+                  int(metadata.get("beam_size", DEFAULT_BEAM_SIZE)),
+                  float(metadata.get("alpha", DEFAULT_ALPHA)))
 
 
 def export_tokenizer(path: Path) -> SubwordTokenizer:

@@ -19,7 +19,6 @@ import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
 
 from keras_transformer import run_directory
 from keras_transformer.decoding.results import Translation
-from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.decoding.translator import translate_batch, translate_texts
 from keras_transformer.serving.loaded_export import Export, open_export
 from keras_transformer.serving.saved_model import latest_version
@@ -44,6 +43,7 @@ class Translator:
         self.path = path
         self.model, self.tokenizer, self.saved_model = model, tokenizer, saved_model
         self._export: Export | None = None
+        self._decoding: tuple[int, float] | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Translator:
@@ -58,21 +58,49 @@ class Translator:
             self._export = open_export(self.path, self.saved_model)
         return self._export
 
-    def translate(self, texts: Sequence[str | bytes], beam_size: int = DEFAULT_BEAM_SIZE,
-                  alpha: float = DEFAULT_ALPHA, batch_size: int = 64,
+    @property
+    def decoding(self) -> tuple[int, float]:
+        """(beam size, alpha) this model decodes with unless told otherwise: a run's, chosen
+        on val (`run_directory.run_decoding`); a SavedModel's `serving_default` (what TF
+        Serving gives); the paper's (4, 0.6) where neither recorded them."""
+        if self.saved_model is not None:
+            return self.export.beam_size, self.export.alpha
+        if self._decoding is None:
+            self._decoding = run_directory.run_decoding(self.path)
+        return self._decoding
+
+    def translate(self, texts: Sequence[str | bytes], beam_size: int | None = None,
+                  alpha: float | None = None, batch_size: int = 64,
                   progress: Progress | None = None) -> list[str]:
-        """N translations of N texts, in order (long lines split into sentences)."""
+        """N translations of N texts, in order (long lines split into sentences); beam_size
+        and alpha default to the model's own (`decoding`)."""
+        beam_size, alpha = self.resolve_search(beam_size, alpha)
         if self.saved_model is None:
             return translate_texts(self.model, self.tokenizer, texts, beam_size=beam_size,
                                    alpha=alpha, batch_size=batch_size, progress=progress)
         return self.translate_saved_model(texts, beam_size=beam_size, alpha=alpha,
                                           batch_size=batch_size, progress=progress)[0]
 
+    def resolve_search(self, beam_size: int | None = None, alpha: float | None = None, *,
+                       sampling_topk: int = 1, num_hypotheses: int = 1) -> tuple[int, float]:
+        """(beam size, alpha) to decode with: those given, else the model's own (`decoding`);
+        left out, the beam is 1 for sampling (`sampling_topk` other than 1: one token drawn a
+        step) and holds at least `num_hypotheses`."""
+        own_beam, own_alpha = self.decoding
+        if beam_size is None:
+            beam_size = 1 if sampling_topk != 1 else max(own_beam, num_hypotheses)
+        return beam_size, own_alpha if alpha is None else alpha
+
     def translate_batch(self, texts: Sequence[str | bytes], **options) -> list[Translation]:
         """`decoding.translator.translate_batch` with this model: n-best lists, scores,
-        sampling, prefixes, alignments, long inputs. A SavedModel takes the same arguments
-        and gives the same results through its signatures, except what its export fixes
+        sampling, prefixes, alignments, long inputs; beam_size and alpha default to the
+        model's own (`decoding`). A SavedModel takes the same arguments and gives the same
+        results through its signatures, except what its export fixes
         (`serving.saved_model_translation`: a `UsageError` says what)."""
+        options["beam_size"], options["alpha"] = self.resolve_search(
+            options.get("beam_size"), options.get("alpha"),
+            sampling_topk=options.get("sampling_topk", 1),
+            num_hypotheses=options.get("num_hypotheses", 1))
         if self.saved_model is None:
             return translate_batch(self.model, self.tokenizer, texts, **options)
         return translate_batch_with_saved_model(self.export, texts, **options)
@@ -81,10 +109,13 @@ class Translator:
                               **options) -> tuple[list[str], list[list[str]]]:
         """(N translations, each line's flags) from a SavedModel, faster than
         `translate_batch` (no pieces, token scores or alignments):
-        `translate_texts_with_saved_model`'s options (beam_size, alpha, long_inputs,
-        max_input_tokens, max_output_tokens, batch_size, batch_tokens, progress)."""
+        `translate_texts_with_saved_model`'s options (beam_size, alpha: the export's own
+        unless given; long_inputs, max_input_tokens, max_output_tokens, batch_size,
+        batch_tokens, progress)."""
         if self.saved_model is None:
             raise ModelError(f"{self.path}: not a SavedModel.")
+        options["beam_size"], options["alpha"] = self.resolve_search(
+            options.get("beam_size"), options.get("alpha"))
         return translate_texts_with_saved_model(self.export, texts, **options)
 
 

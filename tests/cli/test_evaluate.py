@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import sacrebleu
@@ -13,6 +14,7 @@ from keras_transformer.decoding.search import beam_search, encode_texts
 from keras_transformer.decoding.translator import translate_texts
 from keras_transformer.errors import EXIT_STORAGE
 from keras_transformer.evaluate import main
+from keras_transformer.serving.saved_model import METADATA_FILE
 from tests.serving.test_saved_model import shared_artifacts
 from tests.storage_faults import fill, no_space_at_sync, small_filesystem
 
@@ -130,3 +132,51 @@ def test_cli_usage_errors_exit_non_zero(capsys):
         main(["--model", "x", "--src-file", "only-one.txt"])
     assert exit_info.value.code == 2
     assert "--ref-file" in capsys.readouterr().err
+
+
+def test_without_beam_or_alpha_a_run_decodes_as_its_test_bleu_was_scored(run_dir, tmp_path,
+                                                                          capsys):
+    """evaluate (and translate) decode with the run's val choice from its results.json, as
+    training scored its test BLEU and `export` writes serving_default; else beam 4, α 0.6."""
+    src, ref = tmp_path / "test.de", tmp_path / "test.en"
+    src.write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(REFERENCES) + "\n", encoding="utf-8")
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "results.json").write_text(json.dumps({"beam": 1, "alpha": 0.0}))
+    outputs = {}
+    for name, model, flags in (("own", run, []), ("given", run, ["--beam", "1", "--alpha", "0"]),
+                               ("beam 2", run, ["--beam", "2"]), ("paper", run_dir, [])):
+        outputs[name] = tmp_path / f"{name}.en"
+        assert main(["--model", str(model), "--src-file", str(src), "--ref-file", str(ref),
+                     "--json", "--output", str(outputs[name]), *flags]) == 0
+        result = json.loads(capsys.readouterr().out)
+        expected = {"own": (1, 0.0), "given": (1, 0.0), "beam 2": (2, 0.0), "paper": (4, 0.6)}
+        assert (result["beam_size"], result["alpha"]) == expected[name], name
+    assert outputs["own"].read_bytes() == outputs["given"].read_bytes()
+    model, tokenizer = run_directory.load_run(run)
+    assert outputs["own"].read_text(encoding="utf-8").splitlines() == translate_texts(
+        model, tokenizer, SOURCES, beam_size=1, alpha=0.0)
+
+
+def test_a_saved_model_decodes_with_its_serving_default_settings(tmp_path_factory, tmp_path):
+    """A SavedModel's own beam and α (its metadata, what serving_default uses) unless given;
+    left out, sampling decodes with beam 1 and an n-best list with a beam that holds it."""
+    from keras_transformer.serving.translator import load_translator
+
+    _, export = shared_artifacts(tmp_path_factory)
+    copy = tmp_path / "export"
+    shutil.copytree(export, copy)
+    metadata_file = copy / METADATA_FILE
+    metadata = json.loads(metadata_file.read_text())
+    assert (metadata["beam_size"], metadata["alpha"]) == (4, 0.6)  # the export's defaults
+    metadata.update(beam_size=1, alpha=0.0)
+    metadata_file.write_text(json.dumps(metadata))
+    translator = load_translator(copy)
+    assert translator.decoding == (1, 0.0)
+    assert translator.translate(SOURCES) == translator.translate(SOURCES, beam_size=1,
+                                                                 alpha=0.0)
+    assert translator.resolve_search(None, None, sampling_topk=0) == (1, 0.0)
+    assert translator.resolve_search(None, 0.6, num_hypotheses=3) == (3, 0.6)
+    assert translator.resolve_search(5, None) == (5, 0.0)
+    assert load_translator(export).decoding == (4, 0.6)

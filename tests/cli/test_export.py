@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from keras_transformer.export import main, run_decoding
+from keras_transformer.export import main
+from keras_transformer.run_directory import run_decoding
 
 
 def test_a_run_is_exported_with_the_decoding_it_chose_on_val(tmp_path):

@@ -190,9 +190,10 @@ def test_prefixes_sampling_and_long_inputs_from_the_command_line(paths, tmp_path
                                       capfd)
     assert status == 0 and out[0].startswith("Zwei") and len(out) == 2
     assert "1 line(s) split" in err and "line 2" in err
-    sampled = [_run_translate(["--model", str(run), "--input", str(source), "--beam", "1",
+    # Sampling without --beam: beam 1 (the run's own beam is for its search).
+    sampled = [_run_translate(["--model", str(run), "--input", str(source), *beam,
                                "--sampling-topk", "0", "--seed", str(seed)], capfd)[1]
-               for seed in (1, 1, 2)]
+               for seed, beam in ((1, ["--beam", "1"]), (1, []), (2, []))]
     assert sampled[0] == sampled[1] != sampled[2]
     status, _, err = _run_translate(["--model", str(run), "--input", str(source),
                                      "--max-input-tokens", "32", "--long-inputs", "error"],
@@ -211,6 +212,7 @@ def test_prefixes_sampling_and_long_inputs_from_the_command_line(paths, tmp_path
 
 @pytest.mark.parametrize("flags", [["--n-best", "5", "--beam", "4"],
                                    ["--sampling-topk", "0", "--beam", "4"],
+                                   ["--sampling-topk", "0", "--n-best", "2"],
                                    ["--sampling-topp", "0.9"], ["--token-scores"],
                                    ["--seed", "-1"], ["--alpha", "nan"],
                                    ["--sampling-topk", "0", "--beam", "1",
