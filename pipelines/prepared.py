@@ -43,7 +43,6 @@ import math
 import os
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -232,9 +231,8 @@ def prepare_corpus(
         # Temporary folders of killed preparations of DIR on this host (other hosts' are
         # alive or not: their processes cannot be seen from here).
         storage.remove_stale_temporaries(directory.parent, prefix=_staging_prefix(directory))
-        staging = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(directory)}{os.getpid()}-",
-                                        dir=directory.parent))
-        staging.chmod(0o755)  # mkdtemp's 0700 would keep other users (a shared --prepared) out
+        staging = storage.staging_folder(directory.parent,
+                                         f"{_staging_prefix(directory)}{os.getpid()}-")
     needed = failure = None  # the bytes DIR needs, once known; a failure of the storage
     try:
         settings = {"src_lang": split.src_lang, "tgt_lang": split.tgt_lang,

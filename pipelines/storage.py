@@ -28,6 +28,7 @@ import glob
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -39,7 +40,8 @@ from typing import Any
 
 __all__ = ["LOCK_FILE", "FolderInUse", "FolderLock", "StorageError", "checksum",
            "errors_about", "file_checksum", "folder_bytes", "holds_files",
-           "remove_stale_temporaries", "replace_folder", "replacing", "storage_error",
+           "remove_stale_temporaries", "replace_folder", "replacing", "staging_folder",
+           "storage_error",
            "sync_file", "sync_tree", "write_bytes", "write_json", "write_text"]
 
 # Failures of the storage, not of the input: free space or fix the disk, then run again.
@@ -194,6 +196,21 @@ def sync_tree(folder: str | os.PathLike) -> None:
         for name in sorted(files):
             sync_file(Path(root) / name)
         _sync_folder(Path(root))
+
+
+def staging_folder(parent: str | os.PathLike, prefix: str) -> Path:
+    """A new, empty folder `parent/<prefix><random>` to build a folder in before
+    `replace_folder` moves it into place. Made by `mkdir`, so it gets the permissions any
+    folder of this user gets (the umask's: 0755 by default, 0700 under a strict umask);
+    `tempfile.mkdtemp`'s fixed 0700 would keep the other users of a shared export or
+    prepared folder (a TF Serving user) out."""
+    while True:
+        folder = Path(parent) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:  # another process drew the same name: draw again
+            continue
 
 
 def replace_folder(staging: str | os.PathLike, folder: str | os.PathLike,

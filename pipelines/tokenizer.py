@@ -386,9 +386,7 @@ def _write_directory_atomically(directory: Path, files: Mapping[str, bytes]) -> 
     with storage.errors_about(directory, sum(map(len, files.values()))):
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-",
-                                            dir=directory.parent))
-            staging.chmod(0o755)  # mkdtemp's 0700 would keep other users out
+            staging = storage.staging_folder(directory.parent, f".{directory.name}.tmp-")
             for name, content in files.items():
                 with open(staging / name, "wb") as handle:
                     handle.write(content)

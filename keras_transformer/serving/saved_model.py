@@ -44,7 +44,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import tensorflow as tf
@@ -278,8 +277,7 @@ def export_saved_model(
     estimate = _weight_bytes(model, tokenizer)
     staging = None
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-", dir=export_base))
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the version from a server user
+        staging = storage.staging_folder(export_base, f"{_TEMP_PREFIX}{os.getpid()}-")
         signatures = {
             "serving_default": module.serve,
             "translate": module.translate,

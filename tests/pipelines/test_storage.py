@@ -143,3 +143,20 @@ def test_a_lock_file_on_a_full_disk_is_a_storage_error(tmp_path, monkeypatch):
     with pytest.raises(storage.StorageError, match=rf"no space left on the device writing "
                        rf"{tmp_path / storage.LOCK_FILE}"):
         storage.FolderLock(tmp_path).acquire()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_staging_folder_gets_the_permissions_the_umask_gives_any_folder(tmp_path, umask):
+    """Readable by the other users of a shared export or prepared folder under the usual
+    umask (not mkdtemp's fixed 0700), private under a strict one (not a fixed 0755)."""
+    previous = os.umask(umask)
+    try:
+        first = storage.staging_folder(tmp_path, ".prep.tmp-123-")
+        second = storage.staging_folder(tmp_path, ".prep.tmp-123-")
+        plain = tmp_path / "plain"
+        plain.mkdir()
+    finally:
+        os.umask(previous)
+    assert first != second and first.name.startswith(".prep.tmp-123-")
+    assert first.is_dir() and not any(first.iterdir())
+    assert first.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o777 & ~umask
