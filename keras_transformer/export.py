@@ -47,10 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quantization", help="ctranslate2 only: e.g. int8 (default: float32 "
                         "weights; CTranslate2 can also quantize when loading)")
     parser.add_argument("--version", type=int, help="default: highest existing + 1")
-    parser.add_argument("--beam", type=int, help="serving_default's beam size (default: the "
-                        f"run's, chosen on val, from its results.json; else {DEFAULT_BEAM_SIZE})")
-    parser.add_argument("--alpha", type=float, help="serving_default's length penalty (default: "
-                        f"the run's, from its results.json; else {DEFAULT_ALPHA})")
+    parser.add_argument("--beam", type=int, help="serving_default's beam size (ctranslate2: "
+                        "decoding.json's; default: the run's, chosen on val, from its "
+                        f"results.json; else {DEFAULT_BEAM_SIZE})")
+    parser.add_argument("--alpha", type=float, help="serving_default's length penalty (ctranslate2: "
+                        f"decoding.json's; default: the run's, from its results.json; else "
+                        f"{DEFAULT_ALPHA})")
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS)
     parser.add_argument("--max-extra-length", type=int, default=DEFAULT_EXTRA_LENGTH)
     parser.add_argument("--jit-compile", action="store_true",
@@ -78,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, tokenizer = load_run(args.model)
         if args.format == "ctranslate2":
-            print(export_ctranslate2(model, tokenizer, args.export_base, args.quantization))
+            print(export_ctranslate2(model, tokenizer, args.export_base, args.quantization,
+                                     beam_size=beam, alpha=alpha))
             return 0
         path = export_saved_model(
             model, tokenizer, args.export_base, version=args.version,

@@ -28,6 +28,7 @@ from keras_transformer.decoding.translator import (
     DEFAULT_BATCH_TOKENS,
     force_decode,
 )
+from keras_transformer.errors import UsageError
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
 from keras_transformer.progress import ProgressBar
 from keras_transformer.serving.translator import ModelError, load_translator
@@ -44,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="target lines are space-separated subword pieces")
     parser.add_argument("--output", help="write the scores here (default: stdout)")
     parser.add_argument("--format", choices=("text", "jsonl"), default="text")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                        help="length penalty exponent of SCORE")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="length penalty exponent of SCORE (default: the run's own, as "
+                             f"translate decodes with, else {DEFAULT_ALPHA})")
     parser.add_argument("--alignment", action="store_true",
                         help="word alignment of each pair (jsonl)")
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS,
@@ -67,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _score(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.batch_tokens < 1 or args.alpha < 0 or \
-            args.max_input_tokens < 2:
+    if args.batch_size < 1 or args.batch_tokens < 1 or args.max_input_tokens < 2 or (
+            args.alpha is not None and not 0 <= args.alpha < float("inf")):
         parser.error("--batch-size, --batch-tokens >= 1, --alpha >= 0, --max-input-tokens >= 2")
     if args.alignment and args.format != "jsonl":
         parser.error("--alignment needs --format jsonl")
@@ -84,14 +86,15 @@ def _score(argv: Sequence[str] | None) -> int:
         if translator.model is None:
             raise ModelError(f"{translator.path}: forced decoding needs a run directory (the "
                              "Keras model), not a SavedModel.")
+        _, alpha = translator.resolve_search(1, args.alpha)
         bar = ProgressBar(len(sources), enabled=True)
         results = force_decode(
-            translator.model, translator.tokenizer, sources, targets, alpha=args.alpha,
+            translator.model, translator.tokenizer, sources, targets, alpha=alpha,
             return_alignment=args.alignment, max_input_tokens=args.max_input_tokens,
             long_inputs=args.long_inputs, batch_size=args.batch_size,
             batch_tokens=args.batch_tokens, progress=bar.update)
         bar.close()
-    except (ModelError, LineError, InputTooLong) as error:
+    except (ModelError, LineError, InputTooLong, UsageError) as error:
         print(f"force_decode: error: {error}", file=sys.stderr)
         return 1
     if args.format == "jsonl":

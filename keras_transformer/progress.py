@@ -14,7 +14,8 @@ class ProgressBar:
 
     def __init__(self, total: int, enabled: bool = True, width: int = 30):
         self.total, self.enabled, self.width = total, enabled and total > 0, width
-        self.interactive = sys.stderr.isatty()
+        # (no stderr at all under pythonw, or one without isatty: not a terminal)
+        self.interactive = self.enabled and getattr(sys.stderr, "isatty", lambda: False)()
         self._tenths_written = 0
 
     def update(self, done: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 import keras_transformer.model.transformer  # noqa: F401  (registers the custom layers)
-from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.decoding.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.errors import UsageError
 from pipelines import DEFAULT_CARVE_PAIRS, storage
 
@@ -107,26 +108,47 @@ def read_json(path: str | Path) -> dict[str, Any]:
 
 def run_decoding(run: str | Path, beam: int | None = None,
                  alpha: float | None = None) -> tuple[int, float]:
-    """The beam size and length penalty to decode a run with: those given, else the run's
-    (chosen on val, recorded in its results.json; without a test split, in its "decoding"),
-    else the paper's (`decoding.search.DEFAULT_BEAM_SIZE`, `DEFAULT_ALPHA`), each where the run
-    recorded none.
+    """The beam size and length penalty to decode a run with: those given, else the run's,
+    each from the first place that records it: results.json's (what its test BLEU was scored
+    with), its "decoding" (chosen on val, without a test split), config.json's arguments (the
+    run's --beam/--alpha: what its training exported with `--choose-by loss`), else the
+    paper's (`decoding.defaults`). Neither file is read when both are given.
 
     Raises:
-        DamagedFileError: results.json is not a JSON object.
+        DamagedFileError: results.json or config.json is not a JSON object, or records a beam
+            that is not an integer >= 1 or an alpha that is not a finite number >= 0.
     """
-    results = Path(run) / RESULTS_FILE
-    recorded = read_json(results) if results.is_file() else {}
-    chosen = recorded.get("decoding") if isinstance(recorded.get("decoding"), dict) else {}
+    if beam is not None and alpha is not None:
+        return beam, alpha
+    run = Path(run)
+    places = []  # (file, the object that may hold "beam" and "alpha")
+    if (run / RESULTS_FILE).is_file():
+        results = read_json(run / RESULTS_FILE)
+        places += [(RESULTS_FILE, results), (RESULTS_FILE, results.get("decoding"))]
+    if (run / CONFIG_FILE).is_file():
+        places.append((CONFIG_FILE, read_json(run / CONFIG_FILE).get("arguments")))
 
-    def run_value(name: str, default):
-        for value in (recorded.get(name), chosen.get(name)):
-            if value is not None:
-                return value
+    def recorded(name: str, default, valid):
+        for file, place in places:
+            value = place.get(name) if isinstance(place, dict) else None
+            if value is None:
+                continue
+            if isinstance(value, bool) or not valid(value):
+                raise DamagedFileError(
+                    f"{run / file} is damaged: its {name!r} is {value!r}, not a "
+                    f"{'whole number >= 1' if name == 'beam' else 'finite number >= 0'}; "
+                    f"give --{name} (or fix or delete the file)")
+            return value
         return default
 
-    return (beam if beam is not None else int(run_value("beam", DEFAULT_BEAM_SIZE)),
-            alpha if alpha is not None else float(run_value("alpha", DEFAULT_ALPHA)))
+    def is_beam(value) -> bool:
+        return isinstance(value, int) and value >= 1
+
+    def is_alpha(value) -> bool:
+        return isinstance(value, int | float) and math.isfinite(value) and value >= 0
+
+    return (beam if beam is not None else recorded("beam", DEFAULT_BEAM_SIZE, is_beam),
+            alpha if alpha is not None else float(recorded("alpha", DEFAULT_ALPHA, is_alpha)))
 
 
 class RunDirError(UsageError):

@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="length penalty exponent of the score (default: the model's "
                              f"own, as --beam, else {DEFAULT_ALPHA})")
     search.add_argument("--n-best", type=int, default=1, metavar="N",
-                        help="hypotheses per line, best first (at most --beam)")
+                        help="hypotheses per line, best first (at most --beam; without "
+                             "--beam, the beam is widened to hold them)")
     add_sampling_flags(search)
     search.add_argument("--prefix", metavar="FILE",
                         help="one target prefix per input line (empty: none), forced")
@@ -108,8 +109,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(parser, args) -> None:
     check_search_flags(parser, args)
-    if not 1 <= args.n_best <= (args.beam or args.n_best):
-        parser.error(f"--n-best must be in [1, --beam] (--beam is {args.beam})")
+    if args.n_best < 1 or (args.beam is not None and args.n_best > args.beam):
+        parser.error(f"--n-best must be >= 1 and at most --beam (given: --n-best {args.n_best}"
+                     f"{'' if args.beam is None else f', --beam {args.beam}'})")
     if args.n_best > 1 and args.sampling_topk != 1:
         parser.error("--n-best needs a beam search: sampling draws one hypothesis a line")
     if args.token_scores and args.format != "jsonl":

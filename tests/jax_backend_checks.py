@@ -91,10 +91,12 @@ def _step(initial, model):
 
 
 def check_imports() -> dict:
-    """The model and the training step import no TensorFlow under JAX."""
+    """The model, the training step and the whole JAX run (its run directory, backups,
+    averaging) import no TensorFlow under JAX."""
     import keras  # noqa: F401
 
     import keras_transformer.training.accumulation_jax  # noqa: F401
+    import keras_transformer.training.run_jax  # noqa: F401
     import keras_transformer.training.trainer_model  # noqa: F401
     from keras_transformer.training.losses import GlobalTokenCrossEntropy  # noqa: F401
     return {"backend": keras.backend.backend(), "tensorflow_imported": "tensorflow" in sys.modules}

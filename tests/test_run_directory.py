@@ -119,3 +119,30 @@ def test_a_run_that_began_while_this_one_prepared_is_not_taken_over(tmp_path):
         assert not out.exists()
     finally:
         lock.release()
+
+
+def test_a_run_decodes_with_what_it_recorded_first_else_the_papers(tmp_path):
+    """Training exports (and translate, evaluate and export use) the beam and alpha the run
+    scored its test set with, else its val choice, else its own flags, else beam 4, α 0.6."""
+    run_decoding = run_directory.run_decoding
+    results, config = tmp_path / "results.json", tmp_path / "config.json"
+    assert run_decoding(tmp_path) == (4, 0.6)  # nothing recorded: the paper's
+    config.write_text(json.dumps({"arguments": {"beam": 6, "alpha": 1.0}}))
+    assert run_decoding(tmp_path) == (6, 1.0)  # --choose-by loss, no test split: its flags
+    results.write_text(json.dumps({"decoding": {"beam": 5, "alpha": 1.4}}))
+    assert run_decoding(tmp_path) == (5, 1.4)  # no test split: the val choice
+    results.write_text(json.dumps({"beam": 2, "alpha": 0, "decoding": {"beam": 5}}))
+    assert run_decoding(tmp_path) == (2, 0.0)
+    assert run_decoding(tmp_path, beam=3) == (3, 0.0)  # what is given wins
+    results.write_text(json.dumps({"beam": None, "alpha": None}))
+    assert run_decoding(tmp_path) == (6, 1.0)
+    for damaged in ({"beam": "four"}, {"beam": 0}, {"beam": 2.5}, {"beam": True},
+                    {"alpha": float("nan")}, {"alpha": -1}, {"alpha": [0.6]}):
+        results.write_text(json.dumps(damaged))
+        name = next(iter(damaged))
+        with pytest.raises(run_directory.DamagedFileError, match=f"{results}.*'{name}'"):
+            run_decoding(tmp_path)
+        assert run_decoding(tmp_path, beam=4, alpha=0.6) == (4, 0.6)  # not read: given
+    results.write_text("{")
+    with pytest.raises(run_directory.DamagedFileError, match="results.json is damaged"):
+        run_decoding(tmp_path)

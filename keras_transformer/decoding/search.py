@@ -23,6 +23,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_transformer.decoding.defaults import (  # noqa: F401  (search's own settings)
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_EXTRA_LENGTH,
+    DEFAULT_MAX_INPUT_TOKENS,
+)
 from keras_transformer.decoding.loops import (
     NEG_INF,
     beam_loop,
@@ -37,11 +43,6 @@ __all__ = [
     "greedy_search", "length_penalty",
 ]
 
-DEFAULT_BEAM_SIZE = 4
-DEFAULT_ALPHA = 0.6
-DEFAULT_EXTRA_LENGTH = 50
-# Sources are cut to this many subword tokens (EOS included) before decoding.
-DEFAULT_MAX_INPUT_TOKENS = 256
 # Characters kept per text before tokenizing, per allowed token: bounds tokenizer time on
 # absurdly long lines while keeping far more than any sentence of max_input_tokens needs.
 CHARS_PER_TOKEN = 16

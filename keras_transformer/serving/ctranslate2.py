@@ -27,9 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from keras_transformer.decoding.alignment import DEFAULT_ALIGNMENT_LAYER
+from keras_transformer.decoding.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.layers.embedding import sinusoidal_encoding
 from pipelines import storage
 from pipelines.storage import StorageError
+
+# The run's beam size and alpha beside the CTranslate2 files (`export_ctranslate2`).
+DECODING_FILE = "decoding.json"
 
 # Rows of the position table: CTranslate2's default longest input (1024) and decoding (256).
 POSITIONS = 1024
@@ -130,13 +134,19 @@ def transformer_spec(model, tokenizer, alignment_layer: int = DEFAULT_ALIGNMENT_
 
 def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
                        quantization: str | None = None,
-                       alignment_layer: int = DEFAULT_ALIGNMENT_LAYER) -> Path:
+                       alignment_layer: int = DEFAULT_ALIGNMENT_LAYER, *,
+                       beam_size: int = DEFAULT_BEAM_SIZE,
+                       alpha: float = DEFAULT_ALPHA) -> Path:
     """Writes the CTranslate2 model directory `directory` (model.bin, config.json,
-    shared_vocabulary.json) and our SentencePiece model as `sentencepiece.model`.
+    shared_vocabulary.json), our SentencePiece model as `sentencepiece.model`, and
+    `decoding.json`, {"beam_size": ..., "alpha": ...}: the settings to pass to
+    `translate_with_ctranslate2` (a run's, chosen on val: `export` writes them, as a
+    SavedModel's serving_default has them; CTranslate2 itself reads only its own files).
 
     Args:
         quantization: None (float32 weights) or a CTranslate2 quantization, e.g. "int8".
         alignment_layer: the decoder layer behind `return_attention` (`transformer_spec`).
+        beam_size, alpha: written to decoding.json.
 
     Raises:
         FileExistsError: `directory` exists.
@@ -156,6 +166,8 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
         staging.mkdir(parents=True)
         spec.save(str(staging))
         storage.write_bytes(staging / "sentencepiece.model", tokenizer.model_proto)
+        storage.write_json(staging / DECODING_FILE,
+                           {"beam_size": int(beam_size), "alpha": float(alpha)})
         storage.replace_folder(staging, directory)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)

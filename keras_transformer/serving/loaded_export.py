@@ -64,15 +64,15 @@ def open_export(path: str | Path, loaded) -> Export:
     try:
         metadata = json.loads((path / METADATA_FILE).read_text(encoding="utf-8"))
         limits = (int(metadata["max_input_tokens"]), int(metadata["max_extra_length"]))
-    except (OSError, ValueError, KeyError) as error:
+        numbers = (int(metadata.get("max_beam_size", MAX_BEAM_SIZE)),
+                   int(metadata.get("alignment_layer", DEFAULT_ALIGNMENT_LAYER)),
+                   metadata.get("model_config", {}).get("num_layers"),
+                   int(metadata.get("beam_size", DEFAULT_BEAM_SIZE)),
+                   float(metadata.get("alpha", DEFAULT_ALPHA)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise UsageError(f"{path}: no readable {METADATA_FILE} ({error}); export the model "
                          "again with `python -m keras_transformer.export`.") from None
-    return Export(path, loaded.signatures, export_tokenizer(path), *limits,
-                  int(metadata.get("max_beam_size", MAX_BEAM_SIZE)),
-                  int(metadata.get("alignment_layer", DEFAULT_ALIGNMENT_LAYER)),
-                  metadata.get("model_config", {}).get("num_layers"),
-                  int(metadata.get("beam_size", DEFAULT_BEAM_SIZE)),
-                  float(metadata.get("alpha", DEFAULT_ALPHA)))
+    return Export(path, loaded.signatures, export_tokenizer(path), *limits, *numbers)
 
 
 def export_tokenizer(path: Path) -> SubwordTokenizer:
@@ -150,9 +150,9 @@ def check_supported(export: Export, options, names: Sequence[str]) -> None:
         raise UsageError(f"{name}: no {', '.join(missing)} signature (an older export); "
                          "export it again with `python -m keras_transformer.export`.")
     if options.beam_size > export.max_beam_size or options.alpha > MAX_ALPHA:
-        raise UsageError(f"{name}: beam_size at most {export.max_beam_size} and alpha at "
-                         f"most {MAX_ALPHA} (its signatures clip them), got "
-                         f"{options.beam_size} and {options.alpha}.")
+        raise UsageError(f"{name}: beam_size (and so num_hypotheses, --n-best) at most "
+                         f"{export.max_beam_size} and alpha at most {MAX_ALPHA} (its "
+                         f"signatures clip them), got {options.beam_size} and {options.alpha}.")
     if options.return_attention:
         raise UsageError(f"{name}: it returns alignments, not the attention behind them; "
                          "return_attention needs the run directory.")

@@ -86,9 +86,13 @@ class Translator:
         """(beam size, alpha) to decode with: those given, else the model's own (`decoding`);
         left out, the beam is 1 for sampling (`sampling_topk` other than 1: one token drawn a
         step) and holds at least `num_hypotheses`."""
+        if beam_size is None and sampling_topk != 1:
+            beam_size = 1
+        if beam_size is not None and alpha is not None:
+            return beam_size, alpha  # nothing of the model's is read
         own_beam, own_alpha = self.decoding
         if beam_size is None:
-            beam_size = 1 if sampling_topk != 1 else max(own_beam, num_hypotheses)
+            beam_size = max(own_beam, num_hypotheses)
         return beam_size, own_alpha if alpha is None else alpha
 
     def translate_batch(self, texts: Sequence[str | bytes], **options) -> list[Translation]:

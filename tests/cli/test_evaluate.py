@@ -157,6 +157,13 @@ def test_without_beam_or_alpha_a_run_decodes_as_its_test_bleu_was_scored(run_dir
     model, tokenizer = run_directory.load_run(run)
     assert outputs["own"].read_text(encoding="utf-8").splitlines() == translate_texts(
         model, tokenizer, SOURCES, beam_size=1, alpha=0.0)
+    # A damaged value: one clear line without the flags; with both given, nothing is read.
+    (run / "results.json").write_text(json.dumps({"beam": "four"}))
+    files = ["--model", str(run), "--src-file", str(src), "--ref-file", str(ref)]
+    assert main(files) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("evaluate: error: ") and "'beam' is 'four'" in error
+    assert main([*files, "--beam", "1", "--alpha", "0"]) == 0
 
 
 def test_a_saved_model_decodes_with_its_serving_default_settings(tmp_path_factory, tmp_path):

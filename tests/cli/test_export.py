@@ -2,23 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
 from keras_transformer.export import main
-from keras_transformer.run_directory import run_decoding
-
-
-def test_a_run_is_exported_with_the_decoding_it_chose_on_val(tmp_path):
-    """Training exports its val-chosen beam and alpha; exporting the run again does too."""
-    assert run_decoding(tmp_path, None, None) == (4, 0.6)  # no results.json: the defaults
-    (tmp_path / "results.json").write_text(json.dumps({"beam": 6, "alpha": 1.4}))
-    assert run_decoding(tmp_path, None, None) == (6, 1.4)
-    assert run_decoding(tmp_path, 2, 0.0) == (2, 0.0)  # the flags given win
-    (tmp_path / "results.json").write_text(json.dumps({"beam": None, "alpha": None}))
-    assert run_decoding(tmp_path, None, None) == (4, 0.6)
-    # Without a test split the val choice is only in "decoding".
-    (tmp_path / "results.json").write_text(json.dumps({"decoding": {"beam": 6, "alpha": 1.0}}))
-    assert run_decoding(tmp_path, None, None) == (6, 1.0)
 
 
 def test_a_decoding_the_signatures_would_clip_is_refused(tmp_path, capsys):

@@ -4,6 +4,7 @@ the same per-token log-probabilities as ours, and the export CLI writes a loadab
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -57,13 +58,20 @@ def our_log_probs(model, source_ids: list[int], target_ids: list[int]) -> np.nda
 def test_ctranslate2_scores_every_token_as_our_model(run, tmp_path, cli):
     model, tokenizer = run_directory.load_run(run)
     out = tmp_path / "ct2"
-    if cli:
-        assert export_main(["--model", str(run), "--format", "ctranslate2",
-                            "--export-base", str(out)]) == 0
+    if cli:  # the run's val choice goes to decoding.json, as to a SavedModel's serving_default
+        (run / run_directory.RESULTS_FILE).write_text(json.dumps({"beam": 6, "alpha": 1.4}))
+        try:
+            assert export_main(["--model", str(run), "--format", "ctranslate2",
+                                "--export-base", str(out)]) == 0
+        finally:
+            (run / run_directory.RESULTS_FILE).unlink()
     else:
         export_ctranslate2(model, tokenizer, out)
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "model.bin", "sentencepiece.model", "shared_vocabulary.json"]
+        "config.json", "decoding.json", "model.bin", "sentencepiece.model",
+        "shared_vocabulary.json"]
+    assert json.loads((out / "decoding.json").read_text()) == (
+        {"beam_size": 6, "alpha": 1.4} if cli else {"beam_size": 4, "alpha": 0.6})
     pieces = spm.SentencePieceProcessor(model_file=str(out / "sentencepiece.model"))
     translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
     sources = ["bada kemo lira", "dusa", "pemo kisa bada lira mudo tera"]
