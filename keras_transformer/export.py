@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,10 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "weights; CTranslate2 can also quantize when loading)")
     parser.add_argument("--version", type=int, help="default: highest existing + 1")
     parser.add_argument("--beam", type=int, help="serving_default's beam size (ctranslate2: "
-                        "decoding.json's; default: the run's, chosen on val, from its "
-                        f"results.json; else {DEFAULT_BEAM_SIZE})")
-    parser.add_argument("--alpha", type=float, help="serving_default's length penalty (ctranslate2: "
-                        f"decoding.json's; default: the run's, from its results.json; else "
+                        "decoding.json's; default: the run's, as run_directory.run_decoding "
+                        "reads it: its val choice, else its own --beam; else "
+                        f"{DEFAULT_BEAM_SIZE})")
+    parser.add_argument("--alpha", type=float, help="serving_default's length penalty "
+                        "(ctranslate2: decoding.json's; default: the run's, as --beam; else "
                         f"{DEFAULT_ALPHA})")
     parser.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS)
     parser.add_argument("--max-extra-length", type=int, default=DEFAULT_EXTRA_LENGTH)
@@ -68,14 +70,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         beam, alpha = run_decoding(Path(args.model), args.beam, args.alpha)
-    except ValueError as error:  # a damaged results.json
-        print(f"export: error: {args.model}: {error}", file=sys.stderr)
+    except ValueError as error:  # a damaged results.json or config.json (names it)
+        print(f"export: error: {error}", file=sys.stderr)
         return 1
-    if args.format == "saved_model" and not (1 <= beam <= MAX_BEAM_SIZE
-                                             and 0 <= alpha <= MAX_ALPHA):
-        print(f"export: error: --beam must be in [1, {MAX_BEAM_SIZE}] and --alpha in [0, "
-              f"{MAX_ALPHA:g}] (the signatures clip others), got {beam} and {alpha}",
-              file=sys.stderr)
+    # The signatures clip a beam over MAX_BEAM_SIZE and an alpha over MAX_ALPHA;
+    # CTranslate2 takes any, but decoding.json must hold a usable pair.
+    highest_beam, highest_alpha = ((MAX_BEAM_SIZE, MAX_ALPHA) if args.format == "saved_model"
+                                   else (math.inf, math.inf))
+    if not (1 <= beam <= highest_beam and 0 <= alpha <= highest_alpha
+            and math.isfinite(alpha)):
+        print(f"export: error: --beam must be in [1, {highest_beam}] and --alpha a finite "
+              f"number in [0, {highest_alpha:g}] for --format {args.format}, got {beam} and "
+              f"{alpha}", file=sys.stderr)
         return 1
     try:
         model, tokenizer = load_run(args.model)

@@ -106,13 +106,18 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _json_if_present(path: Path) -> dict[str, Any]:
+    """`read_json(path)`, or {} where `path` is not a file."""
+    return read_json(path) if path.is_file() else {}
+
+
 def run_decoding(run: str | Path, beam: int | None = None,
                  alpha: float | None = None) -> tuple[int, float]:
     """The beam size and length penalty to decode a run with: those given, else the run's,
     each from the first place that records it: results.json's (what its test BLEU was scored
     with), its "decoding" (chosen on val, without a test split), config.json's arguments (the
     run's --beam/--alpha: what its training exported with `--choose-by loss`), else the
-    paper's (`decoding.defaults`). Neither file is read when both are given.
+    paper's (`decoding.defaults`). A file is read only where a value is still missing.
 
     Raises:
         DamagedFileError: results.json or config.json is not a JSON object, or records a beam
@@ -121,23 +126,22 @@ def run_decoding(run: str | Path, beam: int | None = None,
     if beam is not None and alpha is not None:
         return beam, alpha
     run = Path(run)
-    places = []  # (file, the object that may hold "beam" and "alpha")
-    if (run / RESULTS_FILE).is_file():
-        results = read_json(run / RESULTS_FILE)
-        places += [(RESULTS_FILE, results), (RESULTS_FILE, results.get("decoding"))]
-    if (run / CONFIG_FILE).is_file():
-        places.append((CONFIG_FILE, read_json(run / CONFIG_FILE).get("arguments")))
+    # (file, the object that may hold "beam" and "alpha"), read as far as needed
+    places = [(RESULTS_FILE, lambda: _json_if_present(run / RESULTS_FILE)),
+              (RESULTS_FILE, lambda: _json_if_present(run / RESULTS_FILE).get("decoding")),
+              (CONFIG_FILE, lambda: _json_if_present(run / CONFIG_FILE).get("arguments"))]
 
     def recorded(name: str, default, valid):
-        for file, place in places:
+        for file, read in places:
+            place = read()
             value = place.get(name) if isinstance(place, dict) else None
             if value is None:
                 continue
             if isinstance(value, bool) or not valid(value):
+                kind = "a whole number >= 1" if name == "beam" else "a finite number >= 0"
                 raise DamagedFileError(
-                    f"{run / file} is damaged: its {name!r} is {value!r}, not a "
-                    f"{'whole number >= 1' if name == 'beam' else 'finite number >= 0'}; "
-                    f"give --{name} (or fix or delete the file)")
+                    f"{run / file} is damaged: its {name!r} is {value!r}, not {kind}; "
+                    f"{_DAMAGED_ADVICE[file]} (or give the {name} to decode with)")
             return value
         return default
 

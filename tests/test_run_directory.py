@@ -146,3 +146,10 @@ def test_a_run_decodes_with_what_it_recorded_first_else_the_papers(tmp_path):
     results.write_text("{")
     with pytest.raises(run_directory.DamagedFileError, match="results.json is damaged"):
         run_decoding(tmp_path)
+    # config.json is read only where results.json leaves a value missing.
+    results.write_text(json.dumps({"beam": 2, "alpha": 0.5}))
+    config.write_text("{")
+    assert run_decoding(tmp_path) == (2, 0.5)
+    results.write_text(json.dumps({"beam": 2}))
+    with pytest.raises(run_directory.DamagedFileError, match="config.json is damaged"):
+        run_decoding(tmp_path)
