@@ -16,6 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+# Run as a script, Python puts tests/ first on sys.path, where tests/pipelines (the tests of
+# `pipelines`) would be imported in place of the project's `pipelines` package.
+sys.path[:] = [entry for entry in sys.path
+               if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+
 VOCAB = 40
 # The micro-batches of one update: 4 sentences of at most 9 tokens each (one shape, one XLA
 # compilation), whose real lengths reach these maxima: token counts far apart, so that a
