@@ -178,14 +178,25 @@ def _translate(argv: Sequence[str] | None) -> int:
             _report_flags([result.flags for result in results], args)
     if args.plot_attention:
         try:
-            for number, line in enumerate(lines, start=1):
-                plot_attention(translator.model, translator.tokenizer, line,
-                               Path(args.plot_attention) / f"line_{number}",
-                               beam_size=args.beam, alpha=args.alpha)
+            _plot(translator, lines, results, Path(args.plot_attention))
         except (ImportError, OSError) as error:  # matplotlib missing, OUT_DIR not writable
             print(f"translate: error: {error}", file=sys.stderr)
             return 1
     return 0
+
+
+def _plot(translator: Translator, lines, results: list[Translation], out: Path) -> None:
+    """Attention maps of each line's best output as written (forced, not searched again:
+    a sampled or prefixed output too), in out/line_<n>/; a line split into sentences was
+    decoded a sentence at a time, which one map of the whole line would misrepresent."""
+    for number, (line, result) in enumerate(zip(lines, results, strict=True), start=1):
+        if "split" in result.flags:
+            print(f"translate: line {number} was split into sentences: no attention plot "
+                  "(give its sentences as lines of their own)", file=sys.stderr)
+            continue
+        best = result.hypotheses[0]
+        plot_attention(translator.model, translator.tokenizer, line, out / f"line_{number}",
+                       output_pieces=best.pieces, finished=best.finished)
 
 
 def _translate_batch(translator: Translator, lines, prefixes, args, bar) -> list[Translation]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,26 +22,38 @@ from keras_transformer.decoding.search import (
     beam_search,
     encode_texts,
 )
-from pipelines.constants import BOS_ID, PAD_ID
+from pipelines.constants import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = ["attention_weights", "plot_attention"]
 
 
 def attention_weights(model, tokenizer, sentence: str | bytes,
                       beam_size: int = DEFAULT_BEAM_SIZE, alpha: float = DEFAULT_ALPHA,
-                      max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS):
-    """Translates `sentence` and returns the cross-attention behind each output token.
+                      max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
+                      output_pieces: Sequence[str] | None = None, finished: bool = True):
+    """Translates `sentence` (or takes the translation given) and returns the
+    cross-attention behind each output token.
 
     Row t of a map is the attention while predicting output token t (the decoder is fed
     BOS and the tokens before t, exactly as during the search).
+
+    Args:
+        output_pieces: a translation already made (`Hypothesis.pieces`: sampled, prefixed,
+            from any search), forced instead of searching with beam_size and alpha, so
+            that the maps show what was written; `finished`: it ended with EOS.
 
     Returns:
         (source pieces [S] (EOS included), output pieces [T] (EOS included if emitted),
          weights float32 (num_layers, num_heads, T, S)).
     """
     source = encode_texts(tokenizer, [sentence], max_input_tokens).to_tensor()
-    output, _ = beam_search(model, source, beam_size=beam_size, alpha=alpha)
-    output = output[:, : max(int(tf.reduce_sum(tf.cast(output != PAD_ID, tf.int32))), 1)]
+    if output_pieces is None:
+        output, _ = beam_search(model, source, beam_size=beam_size, alpha=alpha)
+        output = output[:, : max(int(tf.reduce_sum(tf.cast(output != PAD_ID, tf.int32))), 1)]
+    else:
+        ids = tokenizer.piece_to_id(tf.constant(list(output_pieces), tf.string))
+        ids = tf.concat([tf.cast(ids, tf.int32), [EOS_ID] if finished else []], axis=0)
+        output = ids[tf.newaxis, :] if int(tf.size(ids)) else tf.fill([1, 1], EOS_ID)
     decoder_input = tf.concat([tf.fill([1, 1], BOS_ID), output[:, :-1]], axis=1)
     encoder_output, source_mask = model.encode(source)
     self_cache, cross_cache = model.initial_cache(encoder_output, tf.shape(decoder_input)[1])
@@ -66,9 +79,11 @@ def _figure_class():
 
 
 def plot_attention(model, tokenizer, sentence: str | bytes, out_dir: str | Path,
-                   beam_size: int = DEFAULT_BEAM_SIZE,
-                   alpha: float = DEFAULT_ALPHA) -> list[Path]:
-    """Writes one PNG per decoder layer, one heat map per head, for `sentence`'s translation.
+                   beam_size: int = DEFAULT_BEAM_SIZE, alpha: float = DEFAULT_ALPHA,
+                   output_pieces: Sequence[str] | None = None,
+                   finished: bool = True) -> list[Path]:
+    """Writes one PNG per decoder layer, one heat map per head, for `sentence`'s translation
+    (searched with beam_size and alpha, or the one given: `attention_weights`).
 
     Axes: source subword pieces (x) against output pieces (y); brighter = more attention
     (each map scaled to its own maximum).
@@ -80,7 +95,8 @@ def plot_attention(model, tokenizer, sentence: str | bytes, out_dir: str | Path,
         ImportError: if matplotlib is not installed.
     """
     figure_class, canvas_class = _figure_class()
-    source, output, weights = attention_weights(model, tokenizer, sentence, beam_size, alpha)
+    source, output, weights = attention_weights(model, tokenizer, sentence, beam_size, alpha,
+                                                output_pieces=output_pieces, finished=finished)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     num_layers, num_heads = weights.shape[:2]

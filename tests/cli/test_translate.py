@@ -75,12 +75,16 @@ def test_saved_models_base_uses_the_highest_version(paths, tmp_path, capfd):
 def test_plot_attention_flag_writes_pngs(paths, tmp_path, capfd):
     run, _ = paths
     source = tmp_path / "input.txt"
-    source.write_text("Ein Hund.\n", encoding="utf-8")
+    source.write_text("Ein Hund.\n" + "Ein Hund läuft im Park. " * 8 + "\n", encoding="utf-8")
     assert main(["--model", str(run), "--input", str(source), "--beam", "1",
-                 "--plot-attention", str(tmp_path / "plots")]) == 0
+                 "--max-input-tokens", "32", "--plot-attention", str(tmp_path / "plots")]) == 0
     pngs = sorted((tmp_path / "plots" / "line_1").glob("*.png"))
     assert [p.name for p in pngs] == ["attention_layer_1.png", "attention_layer_2.png"]
-    assert len(capfd.readouterr().out.splitlines()) == 1
+    captured = capfd.readouterr()
+    assert len(captured.out.splitlines()) == 2
+    # Line 2 was decoded a sentence at a time: no map of the whole line, and a note.
+    assert not (tmp_path / "plots" / "line_2").exists()
+    assert "line 2 was split into sentences: no attention plot" in captured.err
 
 
 @pytest.mark.parametrize("problem", ["no_dir", "not_a_model", "no_input", "plot_saved_model"])

@@ -9,6 +9,7 @@ import pytest
 
 from keras_transformer import run_directory
 from keras_transformer.decoding.attention_plots import attention_weights, plot_attention
+from keras_transformer.decoding.translator import translate_batch
 from tests.serving.test_saved_model import shared_artifacts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,6 +27,26 @@ def test_attention_weights_have_one_row_per_output_token(loaded_run):
     assert source[-1] == "</s>"
     assert weights.shape == (2, 4, len(output), len(source))
     np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-5)
+
+
+def test_a_translation_given_is_forced_and_gives_the_maps_of_its_search(loaded_run):
+    """translate --plot-attention maps the output it wrote (sampled or prefixed too), not a
+    second search's."""
+    model, tokenizer = loaded_run
+    sentence = "Ein Hund läuft im Park."
+    best = translate_batch(model, tokenizer, [sentence], beam_size=2)[0].hypotheses[0]
+    searched = attention_weights(model, tokenizer, sentence, beam_size=2)
+    forced = attention_weights(model, tokenizer, sentence, output_pieces=best.pieces,
+                               finished=best.finished)
+    assert forced[:2] == searched[:2]
+    np.testing.assert_allclose(forced[2], searched[2], atol=1e-6)
+    sampled = translate_batch(model, tokenizer, [sentence], sampling_topk=0, seed=3,
+                              beam_size=1)[0].hypotheses[0]
+    _, output, weights = attention_weights(model, tokenizer, sentence,
+                                           output_pieces=sampled.pieces,
+                                           finished=sampled.finished)
+    assert output == sampled.pieces + (["</s>"] if sampled.finished else [])
+    assert weights.shape[2] == len(output)
 
 
 def test_plot_attention_writes_valid_pngs(loaded_run, tmp_path):
