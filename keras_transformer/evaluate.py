@@ -25,6 +25,7 @@ from keras_transformer.decoding.scoring import score_translations
 from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.errors import UsageError
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
+from keras_transformer.logs import show_project_logs
 from keras_transformer.progress import ProgressBar
 from keras_transformer.serving.translator import ModelError, load_translator
 from pipelines import storage
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The evaluate command; returns the exit status."""
+    show_project_logs(to_stderr=True)  # stdout holds the results
     return storage_errors_as_status(_evaluate, argv, "evaluate: error")
 
 

@@ -28,6 +28,7 @@ from keras_transformer.decoding.search import (
 )
 from keras_transformer.errors import EXIT_STORAGE, StorageError
 from keras_transformer.flags import add_verbose_flag
+from keras_transformer.logs import show_project_logs
 from keras_transformer.run_directory import load_run, run_decoding
 from keras_transformer.serving.ctranslate2 import export_ctranslate2
 from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
@@ -36,6 +37,7 @@ from keras_transformer.serving.saved_model import export_saved_model
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m keras_transformer.export --model RUN_DIR --export-base saved_models/NAME`."""
+    show_project_logs(to_stderr=True)  # stdout holds the export's path
     parser = argparse.ArgumentParser(prog="python -m keras_transformer.export",
                                      description="Export a run directory for TF Serving "
                                      "(a versioned SavedModel) or for CTranslate2.")

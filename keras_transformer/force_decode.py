@@ -30,6 +30,7 @@ from keras_transformer.decoding.translator import (
 )
 from keras_transformer.errors import UsageError
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
+from keras_transformer.logs import show_project_logs
 from keras_transformer.progress import ProgressBar
 from keras_transformer.serving.translator import ModelError, load_translator
 from keras_transformer.text_lines import LineError, jsonl, read_lines, write_lines
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The force_decode command; returns the exit status."""
+    show_project_logs(to_stderr=True)  # stdout holds the results
     return storage_errors_as_status(_score, argv, "force_decode: error")
 
 

@@ -10,7 +10,9 @@ every line on to the real stderr except those C++ log lines (Python warnings, tr
 fatal C++ errors pass). `--verbose`, or a `TF_CPP_MIN_LOG_LEVEL` of the user's own, turns the
 filter off.
 
-The project's own progress lines (loggers "keras_transformer" and "pipelines") go to stdout.
+The project's own progress lines (loggers "keras_transformer" and "pipelines") go to stdout,
+or to stderr for the commands whose stdout is their result (`translate`, `evaluate`,
+`force_decode`, `export`: `show_project_logs(to_stderr=True)`), so that it stays clean.
 """
 
 from __future__ import annotations
@@ -35,29 +37,37 @@ _NATIVE_LOG_INSIDE = re.compile(rb"[IWE]\d{4} [\d:.]+\s+\d+ [\w./-]+:\d+\] ")
 LOGGERS = ("keras_transformer", "pipelines")
 
 
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stdout` is when a record comes (it may be replaced later)."""
+class _ConsoleHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` (or `sys.stderr`, `to_stderr`) is when a record comes
+    (either may be replaced later)."""
+
+    to_stderr = False
 
     @property
     def stream(self):
-        return sys.stdout
+        return sys.stderr if self.to_stderr else sys.stdout
 
     @stream.setter
     def stream(self, value) -> None:
         del value
 
 
-def show_project_logs() -> None:
+def show_project_logs(to_stderr: bool = False) -> None:
     """Shows the INFO lines of the project's loggers ("keras_transformer", "pipelines": pairs
-    dropped as too long, tokenizer trained or reused, shards written, ...) on stdout."""
+    dropped as too long, tokenizer trained or reused, shards written, ...) on stdout, or on
+    stderr for a command whose stdout is its result (translations, scores, JSON, a path)."""
     for name in LOGGERS:
         logger = logging.getLogger(name)
-        if not any(isinstance(handler, _StdoutHandler) for handler in logger.handlers):
-            handler = _StdoutHandler()
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            logger.addHandler(handler)
+        handlers = [handler for handler in logger.handlers
+                    if isinstance(handler, _ConsoleHandler)]
+        if not handlers:
+            handlers = [_ConsoleHandler()]
+            handlers[0].setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handlers[0])
             logger.setLevel(logging.INFO)
             logger.propagate = False
+        for handler in handlers:
+            handler.to_stderr = to_stderr
 
 
 def is_native_log_line(line: bytes) -> bool:

@@ -53,6 +53,7 @@ from keras_transformer.flags import (
     check_search_flags,
     storage_errors_as_status,
 )
+from keras_transformer.logs import show_project_logs
 from keras_transformer.progress import ProgressBar
 from keras_transformer.serving.translator import ModelError, Translator, load_translator
 from keras_transformer.text_lines import LineError, jsonl, read_lines, single_line, write_lines
@@ -135,6 +136,7 @@ def _limits(args) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The translate command; returns the exit status."""
+    show_project_logs(to_stderr=True)  # stdout holds the results
     return storage_errors_as_status(_translate, argv, "translate: error")
 
 

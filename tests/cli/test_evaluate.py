@@ -83,8 +83,14 @@ def test_cli_reads_a_corpus_folder_and_a_saved_model(tmp_path_factory, tmp_path,
     code = main(["--model", str(export.parent), "--data", str(tmp_path), "--src", "de",
                  "--tgt", "en", "--beam", "2"])
     assert code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("BLEU = ") and "chrF = " in out and "tok:13a" in out
+    captured = capsys.readouterr()
+    assert captured.out.startswith("BLEU = ") and "chrF = " in captured.out
+    assert "tok:13a" in captured.out
+    # The corpus' "loaded N pairs" line goes to stderr: --json's stdout is JSON alone.
+    assert "loaded 5 de-en pairs" in captured.err
+    assert main(["--model", str(export.parent), "--data", str(tmp_path), "--src", "de",
+                 "--tgt", "en", "--beam", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sentences"] == 5
 
 
 @pytest.mark.parametrize("problem", ["missing_file", "mismatch", "not_a_model"])
