@@ -21,6 +21,7 @@ from pathlib import Path
 
 from keras_transformer import run_directory
 from keras_transformer.flags import add_verbose_flag, storage_errors_as_status
+from keras_transformer.logs import show_project_logs
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.training.checkpoints import average_last_checkpoints
 from pipelines import storage
@@ -28,6 +29,7 @@ from pipelines import storage
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The averaging command; returns the exit status."""
+    show_project_logs()  # progress lines on stdout (a previous command may have moved them)
     return storage_errors_as_status(_average, argv)
 
 

@@ -48,6 +48,7 @@ from keras_transformer.flags import (
     check_search_flags,
     storage_errors_as_status,
 )
+from keras_transformer.logs import show_project_logs
 from keras_transformer.progress import ProgressBar
 
 PROG = "back_translate"
@@ -114,6 +115,7 @@ def _check(parser, args) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The back_translate command; returns the exit status."""
+    show_project_logs()  # progress lines on stdout (a previous command may have moved them)
     return storage_errors_as_status(_back_translate, argv, f"{PROG}: error")
 
 

@@ -18,8 +18,8 @@ Sampling (`--sampling-topk 0` or k > 1, `--sampling-topp`, `--sampling-temperatu
 `--seed`), forced prefixes (`--prefix FILE`, one per input line), token scores and alignments
 work with a run directory and with a SavedModel (its signatures, the same results; what its
 export fixes, e.g. a higher --max-input-tokens, an n-best list with a prefix, is an error).
-`--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps for each line
-(run directories only).
+`--plot-attention OUT_DIR` also writes encoder-decoder attention heat maps of each line's
+output (run directories only; not for a line split into sentences or an empty one).
 
 Exit status: 0 translated; 1 a bad model or input file, a line over --max-input-tokens with
 `--long-inputs error`, or no attention to plot (one `error:` line); 2 a malformed or invalid
@@ -103,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     limits.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
                         help="hypotheses x (source + output) tokens per batch (bounds memory)")
     parser.add_argument("--plot-attention", metavar="OUT_DIR",
-                        help="write attention heat maps (PNG) per line to OUT_DIR/line_<n>/")
+                        help="write attention heat maps (PNG) of each line's output to "
+                             "OUT_DIR/line_<n>/ (not for a line split into sentences)")
     add_verbose_flag(parser)
     return parser
 
@@ -188,17 +189,21 @@ def _translate(argv: Sequence[str] | None) -> int:
 
 
 def _plot(translator: Translator, lines, results: list[Translation], out: Path) -> None:
-    """Attention maps of each line's best output as written (forced, not searched again:
-    a sampled or prefixed output too), in out/line_<n>/; a line split into sentences was
-    decoded a sentence at a time, which one map of the whole line would misrepresent."""
+    """Attention maps of each line's best output as written, over the source pieces it was
+    decoded from (both forced, not searched again: a sampled, prefixed or truncated line
+    too), in out/line_<n>/. A line split into sentences was decoded a sentence at a time,
+    which one map of the whole line would misrepresent, and an empty line not at all."""
     for number, (line, result) in enumerate(zip(lines, results, strict=True), start=1):
-        if "split" in result.flags:
-            print(f"translate: line {number} was split into sentences: no attention plot "
-                  "(give its sentences as lines of their own)", file=sys.stderr)
+        skipped = {"split": "was split into sentences (give its sentences as lines of their "
+                            "own)", "empty_input": "is empty (nothing was decoded)"}
+        reasons = [reason for flag, reason in skipped.items() if flag in result.flags]
+        if reasons:
+            print(f"translate: line {number} {reasons[0]}: no attention plot", file=sys.stderr)
             continue
         best = result.hypotheses[0]
         plot_attention(translator.model, translator.tokenizer, line, out / f"line_{number}",
-                       output_pieces=best.pieces, finished=best.finished)
+                       output_pieces=best.pieces, finished=best.finished,
+                       source_pieces=result.source_pieces)
 
 
 def _translate_batch(translator: Translator, lines, prefixes, args, bar) -> list[Translation]:

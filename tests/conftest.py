@@ -49,20 +49,24 @@ def small_tokenizer(small_corpus, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def project_loggers_as_found():
     """Puts the project's loggers back after each test: a command line run in-process
-    (`main([...])`) sends them to stdout and stops their propagation (`show_project_logs`),
-    which would hide their records from a later test's `caplog`."""
+    (`main([...])`) sends them to stdout or stderr and stops their propagation
+    (`show_project_logs`), which would hide their records from a later test's `caplog`."""
     import logging
 
     from keras_transformer.logs import LOGGERS
 
     saved = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
                     logging.getLogger(name).propagate) for name in LOGGERS}
+    streams = {handler: handler.to_stderr for handlers, _, _ in saved.values()
+               for handler in handlers if hasattr(handler, "to_stderr")}
     yield
     for name, (handlers, level, propagate) in saved.items():
         logger = logging.getLogger(name)
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate = propagate
+    for handler, to_stderr in streams.items():
+        handler.to_stderr = to_stderr
 
 
 # Tests that start several training processes on local ports (TF_CONFIG clusters) or assert a

@@ -1,10 +1,11 @@
-"""The command-line tools' output filter: TensorFlow's C++ log lines out, everything else in."""
+"""The command-line tools' output: TensorFlow's C++ log lines filtered out, everything else
+in; the project's own lines on stdout, or on stderr for a command whose stdout is its result."""
 
 from __future__ import annotations
 
 import pytest
 
-from keras_transformer.logs import filter_native_logs
+from keras_transformer.logs import LOGGERS, filter_native_logs, show_project_logs
 
 
 @pytest.mark.parametrize("line", [
@@ -38,3 +39,17 @@ def test_a_cpp_line_glued_to_a_progress_bar_is_cut_off():
     line = (b"Generating splits...: 100%|##########| 3/3 [00:04<00:00]   I0000 00:00:1795495119."
             b"199474   20406 tf_record_dataset_op.cc:396] The default buffer size is 262144")
     assert filter_native_logs(line) == b"Generating splits...: 100%|##########| 3/3 [00:04<00:00]"
+
+
+def test_project_lines_go_to_stdout_or_to_stderr_through_one_handler(capsys):
+    import logging
+
+    logger = logging.getLogger("pipelines.corpora")
+    for to_stderr, stream in ((True, "err"), (False, "out"), (True, "err")):
+        show_project_logs(to_stderr=to_stderr)
+        logger.info("loaded 5 de-en pairs")
+        captured = capsys.readouterr()
+        assert getattr(captured, stream) == "loaded 5 de-en pairs\n"
+        assert getattr(captured, "out" if stream == "err" else "err") == ""
+    for name in LOGGERS:
+        assert len(logging.getLogger(name).handlers) == 1

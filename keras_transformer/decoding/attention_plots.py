@@ -30,7 +30,8 @@ __all__ = ["attention_weights", "plot_attention"]
 def attention_weights(model, tokenizer, sentence: str | bytes,
                       beam_size: int = DEFAULT_BEAM_SIZE, alpha: float = DEFAULT_ALPHA,
                       max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
-                      output_pieces: Sequence[str] | None = None, finished: bool = True):
+                      output_pieces: Sequence[str] | None = None, finished: bool = True,
+                      source_pieces: Sequence[str] | None = None):
     """Translates `sentence` (or takes the translation given) and returns the
     cross-attention behind each output token.
 
@@ -41,19 +42,25 @@ def attention_weights(model, tokenizer, sentence: str | bytes,
         output_pieces: a translation already made (`Hypothesis.pieces`: sampled, prefixed,
             from any search), forced instead of searching with beam_size and alpha, so
             that the maps show what was written; `finished`: it ended with EOS.
+        source_pieces: the pieces that translation was decoded from
+            (`Translation.source_pieces`: cut at that decoding's max_input_tokens), instead
+            of `sentence` tokenized again.
 
     Returns:
         (source pieces [S] (EOS included), output pieces [T] (EOS included if emitted),
          weights float32 (num_layers, num_heads, T, S)).
     """
-    source = encode_texts(tokenizer, [sentence], max_input_tokens).to_tensor()
+    if source_pieces is None:
+        source = encode_texts(tokenizer, [sentence], max_input_tokens).to_tensor()
+    else:
+        source = _ids(tokenizer, source_pieces, end=True)
     if output_pieces is None:
         output, _ = beam_search(model, source, beam_size=beam_size, alpha=alpha)
         output = output[:, : max(int(tf.reduce_sum(tf.cast(output != PAD_ID, tf.int32))), 1)]
     else:
-        ids = tokenizer.piece_to_id(tf.constant(list(output_pieces), tf.string))
-        ids = tf.concat([tf.cast(ids, tf.int32), [EOS_ID] if finished else []], axis=0)
-        output = ids[tf.newaxis, :] if int(tf.size(ids)) else tf.fill([1, 1], EOS_ID)
+        output = _ids(tokenizer, output_pieces, end=finished)
+        if not int(tf.size(output)):
+            output = tf.fill([1, 1], EOS_ID)
     decoder_input = tf.concat([tf.fill([1, 1], BOS_ID), output[:, :-1]], axis=1)
     encoder_output, source_mask = model.encode(source)
     self_cache, cross_cache = model.initial_cache(encoder_output, tf.shape(decoder_input)[1])
@@ -65,6 +72,12 @@ def attention_weights(model, tokenizer, sentence: str | bytes,
         return [p.decode("utf-8", errors="replace") for p in
                 tokenizer.id_to_piece(ids[0]).numpy()]
     return pieces(source), pieces(output), weights
+
+
+def _ids(tokenizer, pieces: Sequence[str], end: bool) -> tf.Tensor:
+    """int32 (1, len(pieces) [+ 1]): the pieces' ids, then EOS where `end`."""
+    ids = tf.cast(tokenizer.piece_to_id(tf.constant(list(pieces), tf.string)), tf.int32)
+    return tf.concat([ids, [EOS_ID] if end else []], axis=0)[tf.newaxis, :]
 
 
 def _figure_class():
@@ -81,7 +94,8 @@ def _figure_class():
 def plot_attention(model, tokenizer, sentence: str | bytes, out_dir: str | Path,
                    beam_size: int = DEFAULT_BEAM_SIZE, alpha: float = DEFAULT_ALPHA,
                    output_pieces: Sequence[str] | None = None,
-                   finished: bool = True) -> list[Path]:
+                   finished: bool = True,
+                   source_pieces: Sequence[str] | None = None) -> list[Path]:
     """Writes one PNG per decoder layer, one heat map per head, for `sentence`'s translation
     (searched with beam_size and alpha, or the one given: `attention_weights`).
 
@@ -96,7 +110,8 @@ def plot_attention(model, tokenizer, sentence: str | bytes, out_dir: str | Path,
     """
     figure_class, canvas_class = _figure_class()
     source, output, weights = attention_weights(model, tokenizer, sentence, beam_size, alpha,
-                                                output_pieces=output_pieces, finished=finished)
+                                                output_pieces=output_pieces, finished=finished,
+                                                source_pieces=source_pieces)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     num_layers, num_heads = weights.shape[:2]

@@ -47,6 +47,17 @@ def test_a_translation_given_is_forced_and_gives_the_maps_of_its_search(loaded_r
                                            finished=sampled.finished)
     assert output == sampled.pieces + (["</s>"] if sampled.finished else [])
     assert weights.shape[2] == len(output)
+    # A line cut at 8 tokens: mapped over the 7 pieces (and EOS) it was decoded from.
+    long_line = "Ein Hund läuft im Park und zwei Kinder spielen im Schnee."
+    cut = translate_batch(model, tokenizer, [long_line], beam_size=1, max_input_tokens=8,
+                          long_inputs="truncate")[0]
+    assert "truncated" in cut.flags and len(cut.source_pieces) == 7
+    best = cut.hypotheses[0]
+    source, output, weights = attention_weights(
+        model, tokenizer, long_line, output_pieces=best.pieces, finished=best.finished,
+        source_pieces=cut.source_pieces)
+    assert source == cut.source_pieces + ["</s>"]
+    assert weights.shape[2:] == (len(output), 8)
 
 
 def test_plot_attention_writes_valid_pngs(loaded_run, tmp_path):
