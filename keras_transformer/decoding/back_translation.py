@@ -117,11 +117,12 @@ def clean_monolingual_line(line: str, cleanup: str) -> tuple[str | None, list[st
         (the line, or None when "filter" drops it; the problems found among
         "lowercase_start" (its first letter or digit is a lower-case letter) and
         "no_final_punctuation" (it does not end with . ! ? … or a closing quote/bracket)).
-        "none" returns the line unchanged and reports nothing.
+        "none" returns the line unchanged, its problems counted all the same (what the
+        provenance's counts show before a cleanup is chosen).
     """
     if cleanup not in CLEANUPS:
         raise ValueError(f"cleanup must be one of {', '.join(CLEANUPS)}, got {cleanup!r}.")
-    if cleanup == "none" or not line:
+    if not line:
         return line, []
     problems = []
     first = next((index for index, char in enumerate(line) if char.isalnum()), None)
@@ -129,6 +130,8 @@ def clean_monolingual_line(line: str, cleanup: str) -> tuple[str | None, list[st
         problems.append("lowercase_start")
     if line[-1] not in FINAL_PUNCTUATION:
         problems.append("no_final_punctuation")
+    if cleanup == "none":
+        return line, problems
     if cleanup == "filter":
         return (None if problems else line), problems
     if "lowercase_start" in problems:

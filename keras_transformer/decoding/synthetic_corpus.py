@@ -58,8 +58,8 @@ class LineCounts:
     pairs_written: int = 0
     empty_lines: int = 0                 # skipped: nothing to translate
     cleanup_dropped: int = 0             # "filter": lines dropped (either reason or both)
-    lowercase_start: int = 0             # lines starting in lower case (dropped or fixed)
-    no_final_punctuation: int = 0        # lines without final punctuation (dropped or fixed)
+    lowercase_start: int = 0             # lines starting in lower case (kept, dropped or fixed)
+    no_final_punctuation: int = 0        # lines without final punctuation (the same)
     cleanup_changed: int = 0             # "normalize": lines changed
     empty_translations: int = 0          # dropped: the translation was empty
     lines_translated: int = 0

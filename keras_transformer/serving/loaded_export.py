@@ -150,8 +150,8 @@ def check_supported(export: Export, options, names: Sequence[str]) -> None:
         raise UsageError(f"{name}: no {', '.join(missing)} signature (an older export); "
                          "export it again with `python -m keras_transformer.export`.")
     if options.beam_size > export.max_beam_size or options.alpha > MAX_ALPHA:
-        raise UsageError(f"{name}: beam_size (and so num_hypotheses, --n-best) at most "
-                         f"{export.max_beam_size} and alpha at most {MAX_ALPHA} (its "
+        raise UsageError(f"{name}: beam_size at most {export.max_beam_size} (so "
+                         f"num_hypotheses, --n-best, too) and alpha at most {MAX_ALPHA} (its "
                          f"signatures clip them), got {options.beam_size} and {options.alpha}.")
     if options.return_attention:
         raise UsageError(f"{name}: it returns alignments, not the attention behind them; "
