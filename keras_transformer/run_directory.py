@@ -126,14 +126,21 @@ def run_decoding(run: str | Path, beam: int | None = None,
     if beam is not None and alpha is not None:
         return beam, alpha
     run = Path(run)
-    # (file, the object that may hold "beam" and "alpha"), read as far as needed
-    places = [(RESULTS_FILE, lambda: _json_if_present(run / RESULTS_FILE)),
-              (RESULTS_FILE, lambda: _json_if_present(run / RESULTS_FILE).get("decoding")),
-              (CONFIG_FILE, lambda: _json_if_present(run / CONFIG_FILE).get("arguments"))]
+    read: dict[str, dict[str, Any]] = {}  # each file read once, when first needed
+
+    def contents(file: str) -> dict[str, Any]:
+        if file not in read:
+            read[file] = _json_if_present(run / file)
+        return read[file]
+
+    # (file, the object that may hold "beam" and "alpha"), in the order they are looked in
+    places = [(RESULTS_FILE, lambda: contents(RESULTS_FILE)),
+              (RESULTS_FILE, lambda: contents(RESULTS_FILE).get("decoding")),
+              (CONFIG_FILE, lambda: contents(CONFIG_FILE).get("arguments"))]
 
     def recorded(name: str, default, valid):
-        for file, read in places:
-            place = read()
+        for file, place_of in places:
+            place = place_of()
             value = place.get(name) if isinstance(place, dict) else None
             if value is None:
                 continue

@@ -188,15 +188,18 @@ def _translate(argv: Sequence[str] | None) -> int:
     return 0
 
 
+# A line's flags that leave it without attention maps, and why (`_plot`).
+_NOT_PLOTTED = {"split": "was split into sentences (give its sentences as lines of their own)",
+                "empty_input": "is empty (nothing was decoded)"}
+
+
 def _plot(translator: Translator, lines, results: list[Translation], out: Path) -> None:
     """Attention maps of each line's best output as written, over the source pieces it was
     decoded from (both forced, not searched again: a sampled, prefixed or truncated line
     too), in out/line_<n>/. A line split into sentences was decoded a sentence at a time,
     which one map of the whole line would misrepresent, and an empty line not at all."""
     for number, (line, result) in enumerate(zip(lines, results, strict=True), start=1):
-        skipped = {"split": "was split into sentences (give its sentences as lines of their "
-                            "own)", "empty_input": "is empty (nothing was decoded)"}
-        reasons = [reason for flag, reason in skipped.items() if flag in result.flags]
+        reasons = [reason for flag, reason in _NOT_PLOTTED.items() if flag in result.flags]
         if reasons:
             print(f"translate: line {number} {reasons[0]}: no attention plot", file=sys.stderr)
             continue

@@ -17,7 +17,7 @@ import numpy as np
 
 from keras_transformer.decoding.alignment import DEFAULT_ALIGNMENT_LAYER
 from keras_transformer.decoding.batch_decoder import count_tokens
-from keras_transformer.decoding.search import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from keras_transformer.decoding.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 from keras_transformer.errors import UsageError
 from keras_transformer.serving.detailed_signatures import MAX_ALPHA, MAX_BEAM_SIZE
 from keras_transformer.serving.saved_model import METADATA_FILE
