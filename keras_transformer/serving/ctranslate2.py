@@ -161,16 +161,18 @@ def export_ctranslate2(model, tokenizer, directory: str | os.PathLike,
     spec.optimize(quantization=quantization)
     # model.bin holds the (quantized) weights; the vocabulary and config are a few KB more.
     needed = _spec_bytes(spec) + len(tokenizer.model_proto)
-    staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    staging = None
     try:
-        staging.mkdir(parents=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = storage.staging_folder(directory.parent, f".{directory.name}.tmp-")
         spec.save(str(staging))
         storage.write_bytes(staging / "sentencepiece.model", tokenizer.model_proto)
         storage.write_json(staging / DECODING_FILE,
                            {"beam_size": int(beam_size), "alpha": float(alpha)})
         storage.replace_folder(staging, directory)
     except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         # spec.save reports a full disk as Python's OSError (errno 28); a StorageError of
         # a file in the staging folder is re-said about `directory`.
         failure = None
