@@ -7,12 +7,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before any test imports TensorFlow
-# XLA's CPU code generator at optimization level 0, here and in every subprocess a test starts
-# (they inherit the environment; XLA reads its flags once, at its start): the same programs,
-# compiled by XLA as they are checked, in a fraction of the compile time. How fast compiled
-# code runs is benchmarks/' business, not the suite's.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,11 @@ WITHOUT_TENSORFLOW = textwrap.dedent(
 ) + KILLED_AFTER_A_MICRO_BATCH
 
 
+# XLA's CPU code generator at optimization level 0: each process compiles its steps in less
+# time (the same programs; how fast they run 4 steps is not what is tested). Every run here
+# gets the same flags, so the weights still match bit for bit.
+JAX_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
 STEPS, EVERY, ACCUMULATE = 4, 2, 2
 # Sentences of 2 or 3 words: their micro-batches take 3 of the XLA bucket shapes (the default
 # 3 to 8 words take 6), and every process compiles a step for each shape it meets.
@@ -62,7 +67,8 @@ def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0,
              "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out), *extra]
     python = ["-m", "keras_transformer.train"] if with_tensorflow else ["-c", WITHOUT_TENSORFLOW]
     return subprocess.run([sys.executable, *python, *flags], cwd=REPO,
-                          env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at)),
+                          env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at),
+                                      XLA_FLAGS=JAX_XLA_FLAGS),
                           capture_output=True, text=True, timeout=600)
 
 
