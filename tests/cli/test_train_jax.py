@@ -22,7 +22,7 @@ from keras_transformer.flags import parse_train_args
 from keras_transformer.prepare import main as prepare_main
 from keras_transformer.training.backup import newest_step
 from keras_transformer.training.config import config_from_flags
-from tests.cli.test_train import REPO, cli_env, write_toy_corpus
+from tests.cli.test_train import REPO, cli_env, fast_compile_xla_flags, write_toy_corpus
 from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH
 
 pytestmark = pytest.mark.slow
@@ -46,11 +46,6 @@ WITHOUT_TENSORFLOW = textwrap.dedent(
 ) + KILLED_AFTER_A_MICRO_BATCH
 
 
-# XLA's CPU code generator at optimization level 0: each process compiles its steps in less
-# time (the same programs; how fast they run 4 steps is not what is tested). Every run here
-# gets the same flags, so the weights still match bit for bit.
-JAX_XLA_FLAGS = "--xla_backend_optimization_level=0"
-
 STEPS, EVERY, ACCUMULATE = 4, 2, 2
 # Sentences of 2 or 3 words: their micro-batches take 3 of the XLA bucket shapes (the default
 # 3 to 8 words take 6), and every process compiles a step for each shape it meets.
@@ -66,9 +61,10 @@ def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0,
              "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--average-last", "2",
              "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out), *extra]
     python = ["-m", "keras_transformer.train"] if with_tensorflow else ["-c", WITHOUT_TENSORFLOW]
+    # Every run here compiles with the same flags, so the weights still match bit for bit.
     return subprocess.run([sys.executable, *python, *flags], cwd=REPO,
                           env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at),
-                                      XLA_FLAGS=JAX_XLA_FLAGS),
+                                      XLA_FLAGS=fast_compile_xla_flags()),
                           capture_output=True, text=True, timeout=600)
 
 

@@ -6,7 +6,6 @@ kernels off), through the train command."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.cli.test_train import REPO, cli_env, write_toy_corpus
+from tests.cli.test_train import REPO, cli_env, fast_compile_xla_flags, write_toy_corpus
 
 TF_OPS = {"KERAS_TRANSFORMER_FUSED_KERNELS": "off"}
 TOY = ["--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
@@ -206,14 +205,10 @@ def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batc
     # sentences: their batches come in 2 shapes, and each shape costs an XLA compile.
     data = write_toy_corpus(tmp_path / "corpus", pairs=120, sentence_words=(3, 4))
     out = tmp_path / "run"
-    # XLA's CPU backend at optimization level 0: the same steps, each shape compiled by XLA,
-    # in far less compile time (how fast the compiled code runs 4 steps is not what is
-    # tested). XLA reads its flags once, at its start: a process of its own.
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     result = _train(data, out, "--jit-compile", "on", "--precision", "mixed_float16",
                     "--initial-loss-scale", str(2.0**24), "--max-steps", "4",
                     "--checkpoint-every", "2", "--test-split", "none", "--no-export",
-                    env={**TF_OPS, "XLA_FLAGS": flags})
+                    env={**TF_OPS, "XLA_FLAGS": fast_compile_xla_flags()})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
