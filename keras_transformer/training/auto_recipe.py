@@ -60,6 +60,18 @@ COOLDOWN = 0.2
 # above those around it; on the 29,000 pairs, 7,000 steps (~58 passes) did as well as 4,200
 # (~35) in both directions (BENCHMARKS.md, issues 38 and 39). More than ~100 is unmeasured.
 MAX_PASSES = 100
+# Where the budget holds at least `SAMPLING_FROM` times the steps of `MAX_PASSES`, the rest
+# is spent on subword regularization (Kudo 2018; BPE-dropout, Provilkov et al. 2020, whose
+# gains were largest on the smallest corpora): `SAMPLED_COPIES` seeded segmentations of every
+# pair, BPE-dropout `SAMPLED_ALPHA`, read for at most `MAX_SAMPLED_PASSES` passes. Sampling
+# learns more slowly (issue 29: on 29,000 pairs it was far behind at step 2,000 of the
+# recipe's 4,200), hence only where the budget is well beyond what one segmentation can use;
+# its pieces are ~1.45x as many (Multi30k German: 21.2 a sentence against 14.8).
+SAMPLING_FROM = 2.0
+SAMPLED_COPIES = 20
+SAMPLED_ALPHA = 0.1
+SAMPLED_LENGTH = 1.45
+MAX_SAMPLED_PASSES = 2 * MAX_PASSES  # a judgment: twice one segmentation's, as each differs
 PIECES_PER_WORD = 1.3  # Multi30k: 14.3 target pieces a sentence for 11.9 words at 8,000
 PADDING = 1.1  # bucketed batches: padding efficiency 93.6% measured on Multi30k
 CHECKPOINTS_PER_RUN = 42  # `multi30k`: every 100 of 4,200 steps; validation every 2nd
@@ -161,17 +173,20 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
     tokens = tokens_per_step or TOKENS_PER_STEP.get(preset, TOKENS_PER_STEP["small"])
     width = d_model or D_MODEL.get(preset, D_MODEL["small"])
     most = max(1, int(MAX_PASSES / passes_per_step(stats, tokens)))
+    sampling = budget_steps >= SAMPLING_FROM * most
+    if sampling:
+        most = max(1, int(MAX_SAMPLED_PASSES * SAMPLED_LENGTH / passes_per_step(stats, tokens)))
     steps = min(budget_steps, most)
     steps_reason = why_steps if steps == budget_steps else (
-        f"{MAX_PASSES} passes over the data ({most:,} steps of {tokens:,} tokens), the most "
-        f"measured to help: the budget's {budget_steps:,} would read it more often, so the run "
-        "ends early")
+        f"{MAX_SAMPLED_PASSES if sampling else MAX_PASSES} passes over the data ({most:,} "
+        f"steps of {tokens:,} tokens), the most {'judged' if sampling else 'measured'} to help:"
+        f" the budget's {budget_steps:,} would read it more often, so the run ends early")
     warmup = warmup_steps or min(4000, steps,
                                  round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
     peak = PEAK_RATE.get(preset, PEAK_RATE["small"])
     lr_scale = round(peak * math.sqrt(width * warmup), 4)
     every = max(10, round_to(steps / CHECKPOINTS_PER_RUN, 10 if steps < 4200 else 50))
-    return {
+    choices = {
         "max_steps": Choice(steps, steps_reason),
         "warmup_steps": Choice(warmup, f"{WARMUP_SHARE:.0%} of the steps (multi30k: 1,000 of "
                                "4,200), at most the paper's 4,000"),
@@ -185,7 +200,24 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
         "validate_every": Choice(2 * every, "every second checkpoint"),
         "average_last": Choice(5, "the paper's 5 (6.1), chosen on val against the 5 around "
                                   "the best step before the cooldown and the best"),
+        "subword_samples": sampling_choice(sampling, budget_steps, tokens),
     }
+    if sampling:
+        choices["subword_alpha"] = Choice(SAMPLED_ALPHA, "BPE-dropout's (Provilkov et al. 2020)")
+    return choices
+
+
+def sampling_choice(sampling: bool, budget_steps: int, tokens: int) -> Choice:
+    """`--subword-samples`: `SAMPLED_COPIES` where the budget holds `SAMPLING_FROM` times the
+    steps of `MAX_PASSES` over one segmentation, else 0."""
+    if sampling:
+        return Choice(SAMPLED_COPIES, (
+            f"the budget's {budget_steps:,} steps of {tokens:,} tokens are over {SAMPLING_FROM:g}x"
+            f" {MAX_PASSES} passes over one segmentation: the rest goes to subword "
+            f"regularization, {SAMPLED_COPIES} sampled segmentations of every pair (pieces "
+            f"~{SAMPLED_LENGTH}x as many)"))
+    return Choice(0, (f"one segmentation: the budget holds less than {SAMPLING_FROM:g}x the "
+                      f"steps of {MAX_PASSES} passes over the data, and sampling learns slowly"))
 
 
 def tokens_choice(preset: str) -> Choice:
