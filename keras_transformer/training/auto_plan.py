@@ -158,7 +158,9 @@ def plan_run(config: TrainConfig, corpora: dict[str, Any], *, replicas: int, wor
                  "tokens_per_step": trial.batches.budget(replicas, trial.data.max_length)
                  .tokens_per_step,
                  "warmup_steps": (trial.optimization.warmup_steps
-                                  if "warmup_steps" in config.given else None)}
+                                  if "warmup_steps" in config.given else None),
+                 "subword_samples": (trial.data.subword_samples
+                                     if "subword_samples" in config.given else None)}
         if budget.steps is not None:
             schedule = rules.schedule_choices(stats, name, budget.steps, "--budget-steps",
                                               **sizes)

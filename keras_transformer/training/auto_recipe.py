@@ -148,6 +148,21 @@ def passes_per_step(stats: CorpusStatistics, tokens_per_step: int) -> float:
     return tokens_per_step / tokens
 
 
+def steps_cap(stats: CorpusStatistics, tokens_per_step: int, budget_steps: int,
+              sampling: bool | None = None) -> tuple[int, bool]:
+    """The most steps worth training, and whether they read sampled segmentations: those of
+    `MAX_PASSES` over the data, or, where the budget holds `SAMPLING_FROM` times as many (or
+    `sampling` says so: --subword-samples given), those of `MAX_SAMPLED_PASSES` over pieces
+    `SAMPLED_LENGTH` times as many."""
+    per_step = passes_per_step(stats, tokens_per_step)
+    most = max(1, int(MAX_PASSES / per_step))
+    if sampling is None:
+        sampling = budget_steps >= SAMPLING_FROM * most
+    if not sampling:
+        return most, False
+    return max(1, int(MAX_SAMPLED_PASSES * SAMPLED_LENGTH / per_step)), True
+
+
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """What the user gave: minutes for the whole command, or steps (its reproducible form)."""
@@ -163,24 +178,25 @@ class Budget:
 def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
                      why_steps: str, *, d_model: int | None = None,
                      tokens_per_step: int | None = None,
-                     warmup_steps: int | None = None) -> dict[str, Choice]:
-    """The steps (the budget's, at most `MAX_PASSES` over the data), warmup, peak rate,
+                     warmup_steps: int | None = None,
+                     subword_samples: int | None = None) -> dict[str, Choice]:
+    """The steps (the budget's, at most `steps_cap`), subword sampling, warmup, peak rate,
     cooldown and checkpoint cadence of a run of `preset` that the budget gives
     `budget_steps` steps. `d_model` and `tokens_per_step` default to the preset's, the
     warmup to `WARMUP_SHARE` of the steps (given flags may change them: the peak rate is
     the preset's at the warmup's end either way); a preset without a tuned rate (`tiny`)
-    takes `small`'s."""
+    takes `small`'s. A given `subword_samples` decides the cap's kind (`steps_cap`)."""
     tokens = tokens_per_step or TOKENS_PER_STEP.get(preset, TOKENS_PER_STEP["small"])
     width = d_model or D_MODEL.get(preset, D_MODEL["small"])
-    most = max(1, int(MAX_PASSES / passes_per_step(stats, tokens)))
-    sampling = budget_steps >= SAMPLING_FROM * most
-    if sampling:
-        most = max(1, int(MAX_SAMPLED_PASSES * SAMPLED_LENGTH / passes_per_step(stats, tokens)))
+    most, sampling = steps_cap(stats, tokens, budget_steps,
+                               None if subword_samples is None else subword_samples > 0)
     steps = min(budget_steps, most)
+    read = (f"{MAX_SAMPLED_PASSES} passes over its sampled segmentations" if sampling
+            else f"{MAX_PASSES} passes over the data")
     steps_reason = why_steps if steps == budget_steps else (
-        f"{MAX_SAMPLED_PASSES if sampling else MAX_PASSES} passes over the data ({most:,} "
-        f"steps of {tokens:,} tokens), the most {'judged' if sampling else 'measured'} to help:"
-        f" the budget's {budget_steps:,} would read it more often, so the run ends early")
+        f"{read} ({most:,} steps of {tokens:,} tokens), the most "
+        f"{'judged' if sampling else 'measured'} to help: the budget's {budget_steps:,} would "
+        "read it more often, so the run ends early")
     warmup = warmup_steps or min(4000, steps,
                                  round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
     peak = PEAK_RATE.get(preset, PEAK_RATE["small"])

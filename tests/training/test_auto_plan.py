@@ -167,9 +167,17 @@ def test_a_corpus_of_few_distinct_words_is_planned(corpus, tmp_path):
 def test_a_steps_budget_beyond_the_passes_cap_is_cut_to_it(corpus, tmp_path):
     result, _ = plan(tmp_path / "run", data=corpus, budget_steps=100_000, **TOY)
     steps = value(result, "max_steps")
-    assert steps < 100_000 and f"{rules.MAX_PASSES} passes over the data" in (
+    assert steps < 100_000 and f"{rules.MAX_SAMPLED_PASSES} passes over its sampled" in (
         result.record["choices"]["max_steps"]["reason"])
     assert result.config.optimization.max_steps == steps
+    # The budget beyond twice the cap prepares sampled segmentations (a flag given wins).
+    assert result.config.data.subword_samples == rules.SAMPLED_COPIES
+    assert result.config.data.subword_alpha == rules.SAMPLED_ALPHA
+    one, _ = plan(tmp_path / "one", data=corpus, budget_steps=100_000, subword_samples=0,
+                  **TOY)
+    assert one.config.data.subword_samples == 0
+    assert f"{rules.MAX_PASSES} passes over the data" in (
+        one.record["choices"]["max_steps"]["reason"])
 
 
 def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_path):

@@ -171,10 +171,10 @@ def test_max_passes_caps_the_steps_on_a_small_corpus_only(multi30k):
     small = statistics(115_000, word_types=12_000, pairs=5_000)
     most = int(rules.MAX_PASSES / rules.passes_per_step(small, 4096))
     assert 1000 <= most < 4200  # warmup rounds to 100 steps there
-    capped = rules.schedule_choices(small, "small", 4200, "the budget")
+    capped = rules.schedule_choices(small, "small", 4000, "the budget")  # < 2x: no sampling
     assert capped["max_steps"].value == most
     reason = capped["max_steps"].reason
-    assert f"{rules.MAX_PASSES} passes" in reason and "4,200" in reason
+    assert f"{rules.MAX_PASSES} passes" in reason and "4,000" in reason
     assert "the most measured to help" in reason
     # The rest of the schedule follows the capped steps.
     assert capped["warmup_steps"].value == rules.round_to(rules.WARMUP_SHARE * most, 100)
@@ -185,15 +185,47 @@ def test_max_passes_caps_the_steps_on_a_small_corpus_only(multi30k):
     assert rules.schedule_choices(multi30k, "small", 4200, "x")["max_steps"].value == 4200
 
 
+def test_a_budget_twice_the_cap_goes_to_subword_sampling():
+    """Below twice the steps of `MAX_PASSES`, one segmentation and the cap; from there,
+    `SAMPLED_COPIES` sampled segmentations (BPE-dropout `SAMPLED_ALPHA`) and the budget's
+    steps, at most `MAX_SAMPLED_PASSES` over pieces `SAMPLED_LENGTH` times as many."""
+    small = statistics(223_942, word_types=20_414, pairs=10_000)  # Multi30k's first 10,000
+    most = int(rules.MAX_PASSES / rules.passes_per_step(small, 4096))
+    assert rules.steps_cap(small, 4096, 2 * most - 1) == (most, False)
+    below = rules.schedule_choices(small, "small", 2 * most - 1, "the budget")
+    assert below["max_steps"].value == most and below["subword_samples"].value == 0
+    assert "subword_alpha" not in below and "sampling learns slowly" in (
+        below["subword_samples"].reason)
+    sampled_most = int(rules.MAX_SAMPLED_PASSES * rules.SAMPLED_LENGTH
+                       / rules.passes_per_step(small, 4096))
+    assert rules.steps_cap(small, 4096, 2 * most) == (sampled_most, True)
+    assert 2 * most < sampled_most < 3 * most  # 200 passes of 1.45x the pieces: 2.9x
+    at = rules.schedule_choices(small, "small", 2 * most, "the budget")
+    assert at["max_steps"].value == 2 * most and at["max_steps"].reason == "the budget"
+    assert at["subword_samples"].value == rules.SAMPLED_COPIES == 20
+    assert at["subword_alpha"].value == rules.SAMPLED_ALPHA == 0.1
+    assert "subword regularization" in at["subword_samples"].reason
+    beyond = rules.schedule_choices(small, "small", 100 * most, "the budget")
+    assert beyond["max_steps"].value == sampled_most
+    assert f"{rules.MAX_SAMPLED_PASSES} passes over its sampled segmentations" in (
+        beyond["max_steps"].reason)
+    # Multi30k at the recipe's 4,200 steps and at a 60-minute budget here (8,905): one
+    # segmentation.
+    multi30k = statistics(rules.MULTI30K_WORDS, word_types=39_491, pairs=29_000)
+    for budget in (4200, 8905):
+        assert rules.schedule_choices(multi30k, "small", budget, "x")[
+            "subword_samples"].value == 0
+
+
 def test_the_schedule_follows_given_sizes(multi30k):
     """A given --tokens-per-step moves the passes cap, a given --d-model the rate's scale
     (the peak rate stays the preset's), and a preset without tuned values takes small's."""
-    default = rules.schedule_choices(multi30k, "small", 100_000, "x")
-    eighth = rules.schedule_choices(multi30k, "small", 100_000, "x", tokens_per_step=512)
+    default = rules.schedule_choices(multi30k, "small", 1_000_000, "x")
+    eighth = rules.schedule_choices(multi30k, "small", 1_000_000, "x", tokens_per_step=512)
     assert default["max_steps"].value == int(
-        rules.MAX_PASSES / rules.passes_per_step(multi30k, 4096))
-    assert eighth["max_steps"].value == int(rules.MAX_PASSES / rules.passes_per_step(
-        multi30k, 512))
+        rules.MAX_SAMPLED_PASSES * rules.SAMPLED_LENGTH / rules.passes_per_step(multi30k, 4096))
+    assert eighth["max_steps"].value == int(
+        rules.MAX_SAMPLED_PASSES * rules.SAMPLED_LENGTH / rules.passes_per_step(multi30k, 512))
     assert 7.9 < eighth["max_steps"].value / default["max_steps"].value < 8.1
     assert "of 512 tokens" in eighth["max_steps"].reason
     late = rules.schedule_choices(multi30k, "small", 4200, "x", warmup_steps=4000)
@@ -216,10 +248,12 @@ def test_a_minutes_budget_becomes_steps_and_a_guard(multi30k):
     assert "60.0 min of training at 0.900 s a step" in choices["max_steps"].reason
     assert choices["max_minutes"].value == 75.0  # 1.25 x the 60 minutes planned
     # Where the cap binds, the steps follow the cap, and the guard lets a slower machine
-    # use the budget's training minutes before it cuts the schedule short.
-    capped = rules.budget_minutes_choices(multi30k, "small", 3600, 0.1)
+    # use the budget's training minutes before it cuts the schedule short (1.8x the steps
+    # of the cap: below where sampling would lift it).
+    most, _ = rules.steps_cap(multi30k, 4096, 0)
+    capped = rules.budget_minutes_choices(multi30k, "small", 3600, 3600 / (1.8 * most))
     steps = capped["max_steps"].value
-    assert steps < 36_000 and "passes" in capped["max_steps"].reason
+    assert steps == most and "passes" in capped["max_steps"].reason
     assert capped["max_minutes"].value == 60.0
     assert "the 60.0 training minutes the budget leaves" in capped["max_minutes"].reason
     # A cap that leaves less slack than 1.25x: the 1.25x guard.
@@ -227,6 +261,10 @@ def test_a_minutes_budget_becomes_steps_and_a_guard(multi30k):
     near = rules.budget_minutes_choices(multi30k, "small", slack, 0.1)
     assert near["max_steps"].value == steps
     assert near["max_minutes"].value == round(1.25 * steps * 0.1 / 60, 1)
+    # A budget of twice the cap's steps and more: sampled segmentations, a higher cap.
+    sampled = rules.budget_minutes_choices(multi30k, "small", 3600, 3600 / (2.5 * most))
+    assert sampled["subword_samples"].value == rules.SAMPLED_COPIES
+    assert sampled["max_steps"].value == int(2.5 * most)  # under the sampled cap
     # Never under a minute; never zero steps.
     tiny = rules.budget_minutes_choices(multi30k, "small", 1.0, 5.0)
     assert tiny["max_steps"].value == 1 and tiny["max_minutes"].value == 1.0
