@@ -63,10 +63,12 @@ def plan(stats: CorpusStatistics, minutes: float, step_seconds,
                                     step_seconds=step_seconds)
     choices = {name: choice["value"] for name, choice in result.record["choices"].items()}
     steps, tokens = choices["max_steps"], choices["tokens_per_step"]
-    from keras_transformer.training.auto_recipe import passes_per_step
+    from keras_transformer.training.auto_recipe import SAMPLED_LENGTH, passes_per_step
 
-    return {**choices, "passes": steps * passes_per_step(stats, tokens),
-            "capped": "passes over the data" in result.record["choices"]["max_steps"]["reason"]}
+    # Sampled segmentations are SAMPLED_LENGTH times as many pieces: fewer passes a step.
+    longer = SAMPLED_LENGTH if choices.get("subword_samples") else 1.0
+    return {**choices, "passes": steps * passes_per_step(stats, tokens) / longer,
+            "capped": "passes over" in result.record["choices"]["max_steps"]["reason"]}
 
 
 def main() -> None:
@@ -125,7 +127,9 @@ def main() -> None:
         step = measured(stats) if assumed is None else (
             lambda trial, table=assumed: table[trial.model.preset])
         chosen = plan(stats, minutes, step, row_splits)
-        steps = f"{chosen['max_steps']:,}" + (" (capped)" if chosen["capped"] else "")
+        steps = f"{chosen['max_steps']:,}" + (" (capped)" if chosen["capped"] else "") + (
+            f", {chosen['subword_samples']} sampled segmentations"
+            if chosen.get("subword_samples") else "")
         print(f"| {name} | {stats.pairs:,} | {stats.words:,} | {minutes / 60:g} h | {how} | "
               f"{chosen['preset']} | {chosen['vocab_size']:,} | {chosen['dropout']} | "
               f"{chosen['tokens_per_step']:,} | {steps} | {chosen['passes']:.0f} | "

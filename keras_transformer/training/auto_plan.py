@@ -64,6 +64,10 @@ MIN_VAL_SENTENCES = 1000  # a shrunk val sample: Multi30k's val size, where the 
 STARTUP_SECONDS = 15.0  # Python and TensorFlow, before run_training starts counting
 EXPORT_SECONDS = 45.0  # model.keras and the SavedModel (tracing its signatures)
 PREPARE_SECONDS = (10.0, 10.0)  # + per million words: the tokenizer and the token shards
+# + per million words of each sampled segmentation (--subword-samples): Multi30k's first
+# 10,000 pairs in 20 copies, 4.5M words, were segmented and written in 7 s on the Zen 5 EPYC
+# (1.6 s per million), with a margin.
+SAMPLED_PREPARE_SECONDS = 2.0
 # The val grid shrinks to beam 4, then to a sample of val, where the end would take more of
 # the budget.
 END_SHARE = 0.15
@@ -296,6 +300,13 @@ def _count(config: TrainConfig, corpora: dict[str, Any],
         raise UsageError(f"train data: {error}") from None
 
 
+def prepare_seconds(stats: CorpusStatistics, copies: int) -> float:
+    """Preparing the data, estimated: `PREPARE_SECONDS`, and `SAMPLED_PREPARE_SECONDS` for
+    each of `copies` sampled segmentations (0: the deterministic one alone)."""
+    words = stats.words / 1e6
+    return PREPARE_SECONDS[0] + (PREPARE_SECONDS[1] + SAMPLED_PREPARE_SECONDS * copies) * words
+
+
 def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
                       corpora: dict[str, Any], started: float | None, precision: str, jit: bool,
                       replicas: int, report: Callable[[str], None],
@@ -317,20 +328,28 @@ def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
     run_step = step_seconds * RUN_OVERHEAD
     budget_seconds = optimization.budget_minutes * 60
     spent = STARTUP_SECONDS + (time.perf_counter() - started if started is not None else 0.0)
-    prepare = PREPARE_SECONDS[0] + PREPARE_SECONDS[1] * stats.words / 1e6
+    prepare = prepare_seconds(stats, sizes["subword_samples"] or 0)
     grid = _decoding_grid(trial, corpora, budget_seconds, step_seconds)
     end = _end_seconds(trial, corpora, step_seconds,
                        grid["val_beams"].value if "val_beams" in grid else None,
                        grid["val_sentences"].value if "val_sentences" in grid else None)
     training = budget_seconds - spent - prepare - end
+    schedule = rules.budget_minutes_choices(stats, preset, max(training, 1.0), run_step, **sizes)
+    copies = schedule["subword_samples"].value
+    if copies and sizes["subword_samples"] is None:
+        # The plan samples segmentations: their preparation comes out of the training minutes
+        # (the choice stays: a budget twice the cap's steps is still well beyond it).
+        prepare = prepare_seconds(stats, copies)
+        training = budget_seconds - spent - prepare - end
+        schedule = rules.budget_minutes_choices(stats, preset, max(training, 1.0), run_step,
+                                                **{**sizes, "subword_samples": copies})
     if training < max(60.0, 50 * run_step):
         needed = (spent + prepare + end + max(60.0, 50 * run_step)) / 60
         raise UsageError(f"--budget-minutes {optimization.budget_minutes:g} leaves "
                          f"{max(training, 0) / 60:.1f} min to train {preset} after the rest of "
                          f"the command ({(spent + prepare + end) / 60:.1f} min); give at least "
                          f"{math.ceil(needed)}")
-    schedule = {**rules.budget_minutes_choices(stats, preset, training, run_step, **sizes),
-                **grid}
+    schedule = {**schedule, **grid}
     text = (f"a step of {sizes['tokens_per_step']:,} tokens takes {step_seconds:.3f} s "
             f"{how}, {run_step:.3f} s with the run's overheads (x{RUN_OVERHEAD}); of "
             f"{budget_seconds / 60:.1f} min, {spent / 60:.1f} went to starting, counting and "

@@ -22,6 +22,7 @@ from keras_transformer.training.config import train_config
 from keras_transformer.training.keras_backend import finishing_command
 from keras_transformer.training.run import run_training
 from pipelines.corpora import load_corpus
+from pipelines.corpus_statistics import CorpusStatistics
 from tests.cli.test_train import write_toy_corpus
 
 NEWS = Path(__file__).resolve().parents[2].parent / "shared/data/newstest-deen"
@@ -201,6 +202,31 @@ def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_p
                                                                        "max_minutes")
     # Twice the seconds, about half the steps (the estimate of the end grows with them too).
     assert 1.9 < fast / slow < 2.2
+
+
+def test_a_minutes_budget_that_samples_segmentations_counts_their_preparation(corpus,
+                                                                             tmp_path):
+    """A step so fast that the budget holds twice the passes cap: 20 sampled segmentations,
+    and the training minutes less their preparation (20 copies of the corpus's words)."""
+    plans = {}
+    for name, flags in (("sampled", {}), ("one", {"subword_samples": 0})):
+        result, _ = plan(tmp_path / name, data=corpus, budget_minutes=8,
+                         assume_step_seconds=0.03, **flags, **TOY)
+        plans[name] = result
+    sampled, one = plans["sampled"], plans["one"]
+    assert value(sampled, "subword_samples") == rules.SAMPLED_COPIES
+    assert sampled.config.data.subword_samples == rules.SAMPLED_COPIES
+    assert one.config.data.subword_samples == 0 and "passes over the data" in (
+        one.record["choices"]["max_steps"]["reason"])
+    stats = CorpusStatistics(**sampled.record["statistics"])
+    prepare = auto_plan.prepare_seconds(stats, rules.SAMPLED_COPIES)
+    assert prepare > auto_plan.prepare_seconds(stats, 0) + 1.0
+    assert f"~{prepare / 60:.1f} go to preparing the data" in sampled.record["plan_text"]
+    # The budget's steps (under the sampled cap), bought by what the preparation leaves.
+    training = float(sampled.record["plan_text"].split(" min of training")[0].split()[-1])
+    run_step = 0.03 * auto_plan.RUN_OVERHEAD
+    assert value(sampled, "max_steps") == pytest.approx(training * 60 / run_step, rel=0.01)
+    assert f"at {run_step:.3f} s a step" in sampled.record["choices"]["max_steps"]["reason"]
 
 
 def test_the_workers_of_a_cluster_plan_the_same_steps_whatever_their_clocks(corpus,
