@@ -219,7 +219,9 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
         "validate_every": Choice(2 * every, "every second checkpoint"),
         "average_last": Choice(5, "the paper's 5 (6.1), chosen on val against the 5 around "
                                   "the best step before the cooldown and the best"),
-        "subword_samples": sampling_choice(sampling, budget_steps, tokens),
+        # auto's own choice (a given --subword-samples still decides the cap above)
+        "subword_samples": sampling_choice(steps_cap(stats, tokens, budget_steps)[1],
+                                           budget_steps, tokens),
     }
     if sampling:
         choices["subword_alpha"] = Choice(SAMPLED_ALPHA, "BPE-dropout's (Provilkov et al. 2020)")

@@ -179,6 +179,9 @@ def test_a_steps_budget_beyond_the_passes_cap_is_cut_to_it(corpus, tmp_path):
     assert one.config.data.subword_samples == 0
     assert f"{rules.MAX_PASSES} passes over the data" in (
         one.record["choices"]["max_steps"]["reason"])
+    # The record still says what auto would have chosen, and why.
+    assert value(one, "subword_samples") == rules.SAMPLED_COPIES
+    assert "subword regularization" in one.record["choices"]["subword_samples"]["reason"]
 
 
 def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_path):
