@@ -339,10 +339,14 @@ def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
     if copies and sizes["subword_samples"] is None:
         # The plan samples segmentations: their preparation comes out of the training minutes
         # (the choice stays: a budget twice the cap's steps is still well beyond it).
+        decided = schedule["subword_samples"]
         prepare = prepare_seconds(stats, copies)
         training = budget_seconds - spent - prepare - end
         schedule = rules.budget_minutes_choices(stats, preset, max(training, 1.0), run_step,
                                                 **{**sizes, "subword_samples": copies})
+        # The choice the schedule follows: the steps left after the preparation may fall
+        # below twice the cap, where auto's own choice would read 0 beside a sampled cap.
+        schedule["subword_samples"] = decided
     if training < max(60.0, 50 * run_step):
         needed = (spent + prepare + end + max(60.0, 50 * run_step)) / 60
         raise UsageError(f"--budget-minutes {optimization.budget_minutes:g} leaves "
