@@ -188,6 +188,13 @@ def chunk_stream(
             tf.data.INFINITE_CARDINALITY))
     options = tf.data.Options()
     options.deterministic = True
+    # No autotuning thread: freeing an iterator waits for its thread, which sleeps up to 60 s
+    # between tuning rounds, and an iterator that Keras or a test leaves in a reference cycle
+    # is freed by Python's garbage collector, holding the GIL, at whatever line runs then
+    # (measured in the test suite: 20-60 s stalls with no CPU used, in ~RootDataset::Iterator).
+    # Without autotuning, AUTOTUNE maps run min(16, cores) calls at once and prefetching still
+    # grows its buffer when the consumer waits (tf.data's legacy prefetch autotuner).
+    options.autotune.enabled = False
     return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
