@@ -7,6 +7,14 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before any test imports TensorFlow
+# XLA's CPU code generator at optimization level 0, in every test process and (inherited) in
+# the processes the tests start: the same programs, compiled in far less time. The tests
+# check what compiled code computes, not how fast it runs; over the XLA-heavy tests (the XLA
+# export, the float16 XLA run, the JAX checks) it saved 8% of their CPU time. XLA reads its
+# flags once, when it starts: so here, before any test imports TensorFlow or JAX.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ logits on real Multi30k val sentences.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,7 +67,8 @@ def jax_results(tmp_path_factory, multi30k_dir) -> dict:
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "jax_backend_checks.py"), str(work)],
         env=cli_env(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
-                    XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                    "--xla_force_host_platform_device_count=2"),
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((work / "jax_results.json").read_text())

@@ -36,14 +36,6 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def fast_compile_xla_flags() -> str:
-    """XLA_FLAGS for a subprocess whose XLA compiles cost more than its compiled code runs:
-    the inherited flags plus XLA's CPU code generator at optimization level 0 (the same
-    programs, compiled in far less time; how fast they run a few steps is not what a test
-    checks). XLA reads its flags once, at its start: for a process of its own."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-
-
 def write_toy_corpus(folder: Path, pairs: int = 300, seed: int = 0,
                      sentence_words: tuple[int, int] = (3, 8)) -> Path:
     """A learnable toy language pair xx -> yy: each word has one translation and the

@@ -22,7 +22,7 @@ from keras_transformer.flags import parse_train_args
 from keras_transformer.prepare import main as prepare_main
 from keras_transformer.training.backup import newest_step
 from keras_transformer.training.config import config_from_flags
-from tests.cli.test_train import REPO, cli_env, fast_compile_xla_flags, write_toy_corpus
+from tests.cli.test_train import REPO, cli_env, write_toy_corpus
 from tests.training.test_resume import KILLED_AFTER_A_MICRO_BATCH
 
 pytestmark = pytest.mark.slow
@@ -61,10 +61,10 @@ def _train(data, prepared, out, with_tensorflow: bool = False, kill_at: int = 0,
              "--max-steps", str(STEPS), "--checkpoint-every", str(EVERY), "--average-last", "2",
              "--warmup-steps", "4", "--beam", "1", "--no-export", "--out", str(out), *extra]
     python = ["-m", "keras_transformer.train"] if with_tensorflow else ["-c", WITHOUT_TENSORFLOW]
-    # Every run here compiles with the same flags, so the weights still match bit for bit.
+    # Every run here compiles with the same flags (the suite's XLA_FLAGS: tests/conftest.py),
+    # so the weights still match bit for bit.
     return subprocess.run([sys.executable, *python, *flags], cwd=REPO,
-                          env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at),
-                                      XLA_FLAGS=fast_compile_xla_flags()),
+                          env=cli_env(JAX_PLATFORMS="cpu", KILL_AT=str(kill_at)),
                           capture_output=True, text=True, timeout=600)
 
 

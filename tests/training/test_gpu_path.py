@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.cli.test_train import REPO, cli_env, fast_compile_xla_flags, write_toy_corpus
+from tests.cli.test_train import REPO, cli_env, write_toy_corpus
 
 TF_OPS = {"KERAS_TRANSFORMER_FUSED_KERNELS": "off"}
 TOY = ["--src", "xx", "--tgt", "yy", "--preset", "tiny", "--vocab-size", "300",
@@ -208,7 +208,7 @@ def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batc
     result = _train(data, out, "--jit-compile", "on", "--precision", "mixed_float16",
                     "--initial-loss-scale", str(2.0**24), "--max-steps", "4",
                     "--checkpoint-every", "2", "--test-split", "none", "--no-export",
-                    env={**TF_OPS, "XLA_FLAGS": fast_compile_xla_flags()})
+                    env=TF_OPS)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
