@@ -335,18 +335,15 @@ def _minutes_schedule(trial: TrainConfig, stats: CorpusStatistics, preset: str,
                        grid["val_sentences"].value if "val_sentences" in grid else None)
     training = budget_seconds - spent - prepare - end
     schedule = rules.budget_minutes_choices(stats, preset, max(training, 1.0), run_step, **sizes)
-    copies = schedule["subword_samples"].value
-    if copies and sizes["subword_samples"] is None:
-        # The plan samples segmentations: their preparation comes out of the training minutes
-        # (the choice stays: a budget twice the cap's steps is still well beyond it).
-        decided = schedule["subword_samples"]
-        prepare = prepare_seconds(stats, copies)
+    decided = schedule["subword_samples"]
+    if decided.value and sizes["subword_samples"] is None:
+        # The plan samples segmentations: their preparation comes out of the training minutes,
+        # and the choice stays where the steps left fall just below twice the cap (still well
+        # beyond it).
+        prepare = prepare_seconds(stats, decided.value)
         training = budget_seconds - spent - prepare - end
         schedule = rules.budget_minutes_choices(stats, preset, max(training, 1.0), run_step,
-                                                **{**sizes, "subword_samples": copies})
-        # The choice the schedule follows: the steps left after the preparation may fall
-        # below twice the cap, where auto's own choice would read 0 beside a sampled cap.
-        schedule["subword_samples"] = decided
+                                                **sizes, sampling=decided)
     if training < max(60.0, 50 * run_step):
         needed = (spent + prepare + end + max(60.0, 50 * run_step)) / 60
         raise UsageError(f"--budget-minutes {optimization.budget_minutes:g} leaves "

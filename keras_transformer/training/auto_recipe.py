@@ -151,19 +151,12 @@ def passes_per_step(stats: CorpusStatistics, tokens_per_step: int) -> float:
     return tokens_per_step / tokens
 
 
-def steps_cap(stats: CorpusStatistics, tokens_per_step: int, budget_steps: int,
-              sampling: bool | None = None) -> tuple[int, bool]:
-    """The most steps worth training, and whether they read sampled segmentations: those of
-    `MAX_PASSES` over the data, or, where the budget holds `SAMPLING_FROM` times as many (or
-    `sampling` says so: --subword-samples given), those of `MAX_SAMPLED_PASSES` over pieces
+def steps_cap(stats: CorpusStatistics, tokens_per_step: int, sampling: bool) -> int:
+    """The most steps worth training: those of `MAX_PASSES` over the data, or, reading
+    sampled segmentations (`sampling`), those of `MAX_SAMPLED_PASSES` over pieces
     `SAMPLED_LENGTH` times as many."""
-    per_step = passes_per_step(stats, tokens_per_step)
-    most = max(1, int(MAX_PASSES / per_step))
-    if sampling is None:
-        sampling = budget_steps >= SAMPLING_FROM * most
-    if not sampling:
-        return most, False
-    return max(1, int(MAX_SAMPLED_PASSES * SAMPLED_LENGTH / per_step)), True
+    passes = MAX_SAMPLED_PASSES * SAMPLED_LENGTH if sampling else MAX_PASSES
+    return max(1, int(passes / passes_per_step(stats, tokens_per_step)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,23 +175,28 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
                      why_steps: str, *, d_model: int | None = None,
                      tokens_per_step: int | None = None,
                      warmup_steps: int | None = None,
-                     subword_samples: int | None = None) -> dict[str, Choice]:
+                     subword_samples: int | None = None,
+                     sampling: Choice | None = None) -> dict[str, Choice]:
     """The steps (the budget's, at most `steps_cap`), subword sampling, warmup, peak rate,
     cooldown and checkpoint cadence of a run of `preset` that the budget gives
     `budget_steps` steps. `d_model` and `tokens_per_step` default to the preset's, the
     warmup to `WARMUP_SHARE` of the steps (given flags may change them: the peak rate is
     the preset's at the warmup's end either way); a preset without a tuned rate (`tiny`)
-    takes `small`'s. A given `subword_samples` decides the cap's kind (`steps_cap`)."""
+    takes `small`'s. `sampling` is auto's --subword-samples where already decided (a minutes
+    plan decides before it takes the copies' preparation out of its minutes), else
+    `sampling_choice` on `budget_steps`; a given `subword_samples` wins and decides the cap.
+    """
     tokens = tokens_per_step or TOKENS_PER_STEP.get(preset, TOKENS_PER_STEP["small"])
     width = d_model or D_MODEL.get(preset, D_MODEL["small"])
-    most, sampling = steps_cap(stats, tokens, budget_steps,
-                               None if subword_samples is None else subword_samples > 0)
+    own = sampling or sampling_choice(stats, tokens, budget_steps)
+    sampled = (own.value if subword_samples is None else subword_samples) > 0
+    most = steps_cap(stats, tokens, sampled)
     steps = min(budget_steps, most)
-    read = (f"{MAX_SAMPLED_PASSES} passes over its sampled segmentations" if sampling
+    read = (f"{MAX_SAMPLED_PASSES} passes over its sampled segmentations" if sampled
             else f"{MAX_PASSES} passes over the data")
     steps_reason = why_steps if steps == budget_steps else (
         f"{read} ({most:,} steps of {tokens:,} tokens), the most "
-        f"{'judged' if sampling else 'measured'} to help: the budget's {budget_steps:,} would "
+        f"{'judged' if sampled else 'measured'} to help: the budget's {budget_steps:,} would "
         "read it more often, so the run ends early")
     warmup = warmup_steps or min(4000, steps,
                                  round_to(WARMUP_SHARE * steps, 10 if steps < 1000 else 100))
@@ -219,19 +217,17 @@ def schedule_choices(stats: CorpusStatistics, preset: str, budget_steps: int,
         "validate_every": Choice(2 * every, "every second checkpoint"),
         "average_last": Choice(5, "the paper's 5 (6.1), chosen on val against the 5 around "
                                   "the best step before the cooldown and the best"),
-        # auto's own choice (a given --subword-samples still decides the cap above)
-        "subword_samples": sampling_choice(steps_cap(stats, tokens, budget_steps)[1],
-                                           budget_steps, tokens),
+        "subword_samples": own,  # auto's (a given --subword-samples decides the cap above)
     }
-    if sampling:
+    if sampled:
         choices["subword_alpha"] = Choice(SAMPLED_ALPHA, "BPE-dropout's (Provilkov et al. 2020)")
     return choices
 
 
-def sampling_choice(sampling: bool, budget_steps: int, tokens: int) -> Choice:
+def sampling_choice(stats: CorpusStatistics, tokens: int, budget_steps: int) -> Choice:
     """`--subword-samples`: `SAMPLED_COPIES` where the budget holds `SAMPLING_FROM` times the
-    steps of `MAX_PASSES` over one segmentation, else 0."""
-    if sampling:
+    steps of `MAX_PASSES` over one segmentation (`steps_cap`), else 0."""
+    if budget_steps >= SAMPLING_FROM * steps_cap(stats, tokens, sampling=False):
         return Choice(SAMPLED_COPIES, (
             f"the budget's {budget_steps:,} steps of {tokens:,} tokens are over {SAMPLING_FROM:g}x"
             f" {MAX_PASSES} passes over one segmentation: the rest goes to subword "
@@ -264,7 +260,7 @@ def data_choices(stats: CorpusStatistics) -> dict[str, Choice]:
 
 
 def budget_minutes_choices(stats: CorpusStatistics, preset: str, training_seconds: float,
-                           step_seconds: float, **sizes: int | None) -> dict[str, Choice]:
+                           step_seconds: float, **sizes: Any) -> dict[str, Choice]:
     """`schedule_choices` for a minutes budget: the steps that `training_seconds` hold at
     `step_seconds` (measured, with the run's overheads), and a --max-minutes guard.
 

@@ -191,14 +191,16 @@ def test_a_budget_twice_the_cap_goes_to_subword_sampling():
     steps, at most `MAX_SAMPLED_PASSES` over pieces `SAMPLED_LENGTH` times as many."""
     small = statistics(223_942, word_types=20_414, pairs=10_000)  # Multi30k's first 10,000
     most = int(rules.MAX_PASSES / rules.passes_per_step(small, 4096))
-    assert rules.steps_cap(small, 4096, 2 * most - 1) == (most, False)
+    assert rules.steps_cap(small, 4096, sampling=False) == most
+    assert rules.sampling_choice(small, 4096, 2 * most - 1).value == 0
     below = rules.schedule_choices(small, "small", 2 * most - 1, "the budget")
     assert below["max_steps"].value == most and below["subword_samples"].value == 0
     assert "subword_alpha" not in below and "sampling learns slowly" in (
         below["subword_samples"].reason)
     sampled_most = int(rules.MAX_SAMPLED_PASSES * rules.SAMPLED_LENGTH
                        / rules.passes_per_step(small, 4096))
-    assert rules.steps_cap(small, 4096, 2 * most) == (sampled_most, True)
+    assert rules.steps_cap(small, 4096, sampling=True) == sampled_most
+    assert rules.sampling_choice(small, 4096, 2 * most).value == rules.SAMPLED_COPIES
     assert 2 * most < sampled_most < 3 * most  # 200 passes of 1.45x the pieces: 2.9x
     at = rules.schedule_choices(small, "small", 2 * most, "the budget")
     assert at["max_steps"].value == 2 * most and at["max_steps"].reason == "the budget"
@@ -209,6 +211,17 @@ def test_a_budget_twice_the_cap_goes_to_subword_sampling():
     assert beyond["max_steps"].value == sampled_most
     assert f"{rules.MAX_SAMPLED_PASSES} passes over its sampled segmentations" in (
         beyond["max_steps"].reason)
+    # A choice made before (a minutes plan's, before the copies' preparation took its
+    # minutes) stays where the steps left fall below twice the cap: the schedule samples,
+    # and says so, as it trains.
+    decided = rules.sampling_choice(small, 4096, 2 * most)
+    kept = rules.schedule_choices(small, "small", 2 * most - 1, "the budget", sampling=decided)
+    assert kept["subword_samples"] == decided and kept["subword_alpha"].value == 0.1
+    assert kept["max_steps"].value == 2 * most - 1 and kept["max_steps"].reason == "the budget"
+    # A given --subword-samples decides the cap either way; the record keeps auto's choice.
+    given = rules.schedule_choices(small, "small", 100 * most, "x", subword_samples=0)
+    assert given["max_steps"].value == most and given["subword_samples"].value == 20
+    assert "subword_alpha" not in given
     # Multi30k at the recipe's 4,200 steps and at a 60-minute budget here (8,905): one
     # segmentation.
     multi30k = statistics(rules.MULTI30K_WORDS, word_types=39_491, pairs=29_000)
@@ -250,7 +263,7 @@ def test_a_minutes_budget_becomes_steps_and_a_guard(multi30k):
     # Where the cap binds, the steps follow the cap, and the guard lets a slower machine
     # use the budget's training minutes before it cuts the schedule short (1.8x the steps
     # of the cap: below where sampling would lift it).
-    most, _ = rules.steps_cap(multi30k, 4096, 0)
+    most = rules.steps_cap(multi30k, 4096, sampling=False)
     capped = rules.budget_minutes_choices(multi30k, "small", 3600, 3600 / (1.8 * most))
     steps = capped["max_steps"].value
     assert steps == most and "passes" in capped["max_steps"].reason
