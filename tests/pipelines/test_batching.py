@@ -54,7 +54,8 @@ def test_batch_format_and_teacher_forcing_shift(small_corpus, small_tokenizer):
 def test_batches_run_without_tf_datas_autotuning_thread(small_corpus, small_tokenizer):
     # Freeing an autotuned iterator waits for its tuning thread, which sleeps up to 60 s: in
     # the suite, iterators left in reference cycles stalled their process 20-60 s at each
-    # garbage collection (the comment in make_batches). Deterministic order stays on.
+    # garbage collection (the comment in chunk_stream, behind make_batches and
+    # PreparedCorpus.batches). Deterministic order stays on.
     options = make_batches(small_corpus, small_tokenizer, tokens_per_batch=BUDGET).options()
     assert options.autotune.enabled is False and options.deterministic is True
 

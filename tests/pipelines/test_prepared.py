@@ -335,6 +335,12 @@ def test_shards_without_pairs_are_read_as_empty(folder, corpus, tmp_path):
 # --- 2. token budget and bucket widths -----------------------------------------------------
 
 
+def test_a_runs_batches_run_without_tf_datas_autotuning_thread(prepared):
+    # A training run's pipeline, as make_batches' (tests/pipelines/test_batching.py).
+    options = prepared.batches(tokens_per_batch=BUDGET, seed=1).options()
+    assert options.autotune.enabled is False and options.deterministic is True
+
+
 @pytest.mark.parametrize(("budget", "max_length", "boundaries"), [
     (BUDGET, None, None),
     (300, None, None),
