@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras_transformer.training import auto_plan  # noqa: E402
+from keras_transformer.training import auto_minutes, auto_plan  # noqa: E402
 from keras_transformer.training.config import train_config  # noqa: E402
 from keras_transformer.training.precision import resolve_precision  # noqa: E402
 from pipelines.corpora import ParallelCorpus, load_corpus, open_corpus  # noqa: E402
@@ -84,8 +84,8 @@ def main() -> None:
             key = (trial.model.preset, trial.data.vocab_size, trial.batches.tokens_per_step,
                    round(stats.mean_pair_words))
             if key not in cache:
-                cache[key] = auto_plan.measure_run_step(trial, stats, precision, False, 1,
-                                                        lambda line: None)
+                cache[key] = auto_minutes.measure_run_step(trial, stats, precision, False, 1,
+                                                           lambda line: None)
             return cache[key]
         return seconds
 

@@ -1,5 +1,5 @@
 """What a val or test sentence costs to decode, by its length and by the model (issue 39's
-plan of a run's end, `keras_transformer.training.auto_plan.length_factor`).
+plan of a run's end, `keras_transformer.training.auto_minutes.length_factor`).
 
     python benchmarks/decode_by_length.py --model RUN [--model RUN2 ...] \
         --data ../shared/data/newstest-deen [--splits val,test] [--src de] [--tgt en] \

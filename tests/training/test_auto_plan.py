@@ -16,7 +16,7 @@ import pytest
 from keras_transformer.errors import UsageError
 from keras_transformer.flags import parse_train_args
 from keras_transformer.run_directory import run_record
-from keras_transformer.training import auto_plan, run_data
+from keras_transformer.training import auto_minutes, auto_plan, run_data
 from keras_transformer.training import auto_recipe as rules
 from keras_transformer.training.config import train_config
 from keras_transformer.training.keras_backend import finishing_command
@@ -195,11 +195,11 @@ def test_a_minutes_budget_with_an_assumed_step_follows_the_seconds(corpus, tmp_p
         plans[seconds] = result
     fast, slow = value(plans[1.0], "max_steps"), value(plans[2.0], "max_steps")
     for seconds, steps in ((1.0, fast), (2.0, slow)):
-        run_step = seconds * auto_plan.RUN_OVERHEAD
+        run_step = seconds * auto_minutes.RUN_OVERHEAD
         reason = plans[seconds].record["choices"]["max_steps"]["reason"]
         assert f"at {run_step:.3f} s a step" in reason  # the seconds, not the passes cap
         # The training fits the budget, less the start, the data and the end (1-2 min here).
-        assert 5.5 * 60 < steps * run_step < 8 * 60 - auto_plan.STARTUP_SECONDS
+        assert 5.5 * 60 < steps * run_step < 8 * 60 - auto_minutes.STARTUP_SECONDS
         assert value(plans[seconds], "max_minutes") == round(1.25 * steps * run_step / 60, 1)
         assert plans[seconds].config.optimization.max_minutes == value(plans[seconds],
                                                                        "max_minutes")
@@ -222,12 +222,12 @@ def test_a_minutes_budget_that_samples_segmentations_counts_their_preparation(co
     assert one.config.data.subword_samples == 0 and "passes over the data" in (
         one.record["choices"]["max_steps"]["reason"])
     stats = CorpusStatistics(**sampled.record["statistics"])
-    prepare = auto_plan.prepare_seconds(stats, rules.SAMPLED_COPIES)
-    assert prepare > auto_plan.prepare_seconds(stats, 0) + 1.0
+    prepare = auto_minutes.prepare_seconds(stats, rules.SAMPLED_COPIES)
+    assert prepare > auto_minutes.prepare_seconds(stats, 0) + 1.0
     assert f"~{prepare / 60:.1f} go to preparing the data" in sampled.record["plan_text"]
     # The budget's steps (under the sampled cap), bought by what the preparation leaves.
     training = float(sampled.record["plan_text"].split(" min of training")[0].split()[-1])
-    run_step = 0.03 * auto_plan.RUN_OVERHEAD
+    run_step = 0.03 * auto_minutes.RUN_OVERHEAD
     assert value(sampled, "max_steps") == pytest.approx(training * 60 / run_step, rel=0.01)
     assert f"at {run_step:.3f} s a step" in sampled.record["choices"]["max_steps"]["reason"]
 
@@ -299,7 +299,7 @@ def test_the_end_is_planned_as_long_as_it_took(step_seconds, measured_end):
     # sentences at the chosen beam 4 or 6 and alpha 1.4, the export). Planned ~20% short before.
     trial = train_config(recipe="multi30k", data="d", src="de", tgt="en", out="o")
     corpora = {"val": range(1014), "test": range(1000)}
-    planned = auto_plan._end_seconds(trial, corpora, step_seconds)
+    planned = auto_minutes.end_seconds(trial, corpora, step_seconds)
     assert measured_end * 0.95 < planned < measured_end * 1.1
 
 
@@ -323,17 +323,17 @@ def test_long_sentences_are_planned_as_long_as_they_took(news_splits, multi30k_d
     # export took 2,022 s, the machine idle, where a step of news pairs takes ~0.73 s. The
     # plan counted Multi30k's cost a sentence: 10.3 min.
     val, test = news_splits["val"], news_splits["test"]
-    assert auto_plan.length_factor(val) == pytest.approx(
-        mean_square_words(val.targets) / auto_plan.MULTI30K_VAL_SQUARED_WORDS)
-    assert 2.9 < auto_plan.length_factor(val) < 3.1
-    assert auto_plan.length_factor(test, 100) == pytest.approx(  # what the test decodes
-        mean_square_words(test.targets[:100]) / auto_plan.MULTI30K_VAL_SQUARED_WORDS)
+    assert auto_minutes.length_factor(val) == pytest.approx(
+        mean_square_words(val.targets) / auto_minutes.MULTI30K_VAL_SQUARED_WORDS)
+    assert 2.9 < auto_minutes.length_factor(val) < 3.1
+    assert auto_minutes.length_factor(test, 100) == pytest.approx(  # what the test decodes
+        mean_square_words(test.targets[:100]) / auto_minutes.MULTI30K_VAL_SQUARED_WORDS)
     # The unit, whichever the source language: the references are counted.
-    assert auto_plan.length_factor(load_corpus(multi30k_dir, "val", "de", "en")) == 1.0
-    assert auto_plan.length_factor(load_corpus(multi30k_dir, "val", "fr", "en")) == 1.0
-    assert auto_plan.length_factor(range(10)) == 1.0  # no sentences: Multi30k's
+    assert auto_minutes.length_factor(load_corpus(multi30k_dir, "val", "de", "en")) == 1.0
+    assert auto_minutes.length_factor(load_corpus(multi30k_dir, "val", "fr", "en")) == 1.0
+    assert auto_minutes.length_factor(range(10)) == 1.0  # no sentences: Multi30k's
     trial = train_config(recipe="multi30k", data="d", src="de", tgt="en", out="o")
-    planned = auto_plan._end_seconds(trial, news_splits, 0.73)
+    planned = auto_minutes.end_seconds(trial, news_splits, 0.73)
     assert 2022 * 0.9 < planned < 2022 * 1.1, planned
 
 
@@ -359,12 +359,12 @@ def test_a_long_val_split_is_sampled_where_its_end_would_not_fit(corpus, news_sp
     assert value(result, "val_beams") == "4"
     sample = value(result, "val_sentences")
     assert result.config.evaluation.val_sentences == sample and sample % 100 == 0
-    share = auto_plan.END_SHARE * minutes * 60
-    end = auto_plan._end_seconds(result.config, corpora, 0.73)
-    more = auto_plan._end_seconds(result.config, corpora, 0.73, val_sentences=sample + 100)
-    assert (end <= share or sample == auto_plan.MIN_VAL_SENTENCES) and more > share
-    assert auto_plan.MIN_VAL_SENTENCES <= sample < 3000
-    assert (sample > auto_plan.MIN_VAL_SENTENCES) == (minutes == 90)
+    share = auto_minutes.END_SHARE * minutes * 60
+    end = auto_minutes.end_seconds(result.config, corpora, 0.73)
+    more = auto_minutes.end_seconds(result.config, corpora, 0.73, val_sentences=sample + 100)
+    assert (end <= share or sample == auto_minutes.MIN_VAL_SENTENCES) and more > share
+    assert auto_minutes.MIN_VAL_SENTENCES <= sample < 3000
+    assert (sample > auto_minutes.MIN_VAL_SENTENCES) == (minutes == 90)
     assert f"~{end / 60:.1f} to the val choices" in result.record["plan_text"]
 
 
@@ -375,8 +375,8 @@ def test_a_given_val_sample_is_planned_and_a_budget_that_holds_val_keeps_it(
                      assume_step_seconds=0.73, val_sentences=2000, **NEWS_FLAGS)
     assert "val_sentences" not in result.record["choices"]
     assert result.config.evaluation.val_sentences == 2000
-    end = auto_plan._end_seconds(result.config, corpora, 0.73)  # planned with the 2,000
-    assert end > auto_plan._end_seconds(result.config, corpora, 0.73, val_sentences=1000)
+    end = auto_minutes.end_seconds(result.config, corpora, 0.73)  # planned with the 2,000
+    assert end > auto_minutes.end_seconds(result.config, corpora, 0.73, val_sentences=1000)
     assert f"~{end / 60:.1f} to the val choices" in result.record["plan_text"]
     result, _ = plan(tmp_path / "run", data=corpus, corpora=corpora, budget_minutes=300,
                      assume_step_seconds=0.73, **NEWS_FLAGS)
@@ -389,7 +389,7 @@ def test_the_val_sample_is_for_bleu_choices_of_a_val_split_larger_than_it(news_s
         trial = train_config(recipe="auto", budget_minutes=60, data="d", src="de", tgt="en",
                              out="o", **flags)
         trial.evaluation.choose_by = flags.get("choose_by", "bleu")
-        return auto_plan._decoding_grid(trial, {"val": val, "test": news_splits["test"]},
+        return auto_minutes.decoding_grid_choices(trial, {"val": val, "test": news_splits["test"]},
                                         3600, 0.73)
 
     val = news_splits["val"]
@@ -398,7 +398,7 @@ def test_the_val_sample_is_for_bleu_choices_of_a_val_split_larger_than_it(news_s
     assert grid(val, choose_by="loss") == {}
     trial = train_config(recipe="auto", budget_minutes=60, data="d", src="de", tgt="en",
                          out="o", choose_by="loss", val_sentences=1000)
-    assert auto_plan._end_seconds(trial, {"val": val}, 0.73) == auto_plan._end_seconds(
+    assert auto_minutes.end_seconds(trial, {"val": val}, 0.73) == auto_minutes.end_seconds(
         trial, {"val": val}, 0.73, val_sentences=0)
     # A grid given keeps its beams; the sample says so.
     given = grid(val, val_beams="4,6")
@@ -411,10 +411,10 @@ def test_the_val_sample_is_for_bleu_choices_of_a_val_split_larger_than_it(news_s
 
 def test_the_end_counts_the_decodings_the_run_makes():
     def units(**evaluation):
-        return auto_plan._decode_units(train_config(
+        return auto_minutes.decode_units(train_config(
             data="d", src="de", tgt="en", out="o", **evaluation).evaluation)
 
-    cost = auto_plan._decoding_cost
+    cost = auto_minutes.decoding_cost
     # By val BLEU without a grid: the weight candidates and the test at --beam/--alpha.
     assert units(choose_by="bleu", beam=4, alpha=1.4) == (4 * cost(4, 1.4), cost(4, 1.4))
     # The candidates' decodings count as the grid's (--beam, --alpha) point, whatever alpha;
