@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -252,13 +253,23 @@ def _load_generation(model: keras.Model, weights: Path, state_file: Path,
         return problem
     if state.get("step") != step:
         return f"{state_file.name} says step {state.get('step')!r}"
-    try:
-        model.load_weights(weights)
-        held = int(model.optimizer.iterations.numpy())
-    except Exception as error:  # noqa: BLE001 (h5py and Keras raise many kinds)
-        problem = f"{weights.name} does not load ({type(error).__name__}: {_first_line(error)})"
-    else:
-        problem = None if held == step else f"{weights.name} holds step {held}"
+    # Keras warns about what it skips before it raises on weights of another model ("...
+    # will retain their freshly-initialized weights"): the refusal below says what happened,
+    # so its warnings are shown only for weights that did load.
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            model.load_weights(weights)
+            held = int(model.optimizer.iterations.numpy())
+        except Exception as error:  # noqa: BLE001 (h5py and Keras raise many kinds)
+            problem = (f"{weights.name} does not load ({type(error).__name__}: "
+                       f"{_first_line(error)})")
+        else:
+            problem = None if held == step else f"{weights.name} holds step {held}"
+    if problem is None:
+        for warning in warned:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno)
     if problem is None and SEEDS_KEY in state:  # (an earlier version's backup has none)
         problem = restore_random_states(model, state[SEEDS_KEY])
     if problem is not None and "crc32" in recorded:
