@@ -151,11 +151,6 @@ def _command(data, out, *flags) -> list[str]:
             "--out", str(out), *flags]
 
 
-def _train(data, out, *flags, env=None, timeout=600):
-    return subprocess.run(_command(data, out, *flags), cwd=REPO, env=cli_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_exports(
         tmp_path, capsys, monkeypatch):
@@ -199,16 +194,21 @@ def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_e
 
 @pytest.mark.slow
 def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batch_shapes(
-        tmp_path):
+        tmp_path, capsys, monkeypatch):
+    from tests.training.test_resume import in_this_process
+
     # What `auto` picks on a V100 or T4: mixed_float16 with loss scaling, XLA, TF ops. The
     # scale starts high enough (2^24) that the first updates overflow and are skipped. Short
-    # sentences: their batches come in 2 shapes, and each shape costs an XLA compile.
+    # sentences: their batches come in 2 shapes, and each shape costs an XLA compile. In this
+    # process, as `python -m` runs it (the fused kernels' switch is read at each run).
+    for name, value in TF_OPS.items():
+        monkeypatch.setenv(name, value)
     data = write_toy_corpus(tmp_path / "corpus", pairs=120, sentence_words=(3, 4))
     out = tmp_path / "run"
-    result = _train(data, out, "--jit-compile", "on", "--precision", "mixed_float16",
-                    "--initial-loss-scale", str(2.0**24), "--max-steps", "4",
-                    "--checkpoint-every", "2", "--test-split", "none", "--no-export",
-                    env=TF_OPS)
+    result = in_this_process(_command(
+        data, out, "--jit-compile", "on", "--precision", "mixed_float16",
+        "--initial-loss-scale", str(2.0**24), "--max-steps", "4", "--checkpoint-every", "2",
+        "--test-split", "none", "--no-export"), capsys)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
