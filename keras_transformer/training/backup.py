@@ -255,9 +255,10 @@ def _load_generation(model: keras.Model, weights: Path, state_file: Path,
         return f"{state_file.name} says step {state.get('step')!r}"
     # Keras warns about what it skips before it raises on weights of another model ("...
     # will retain their freshly-initialized weights"): the refusal below says what happened,
-    # so its warnings are shown only for weights that did load.
+    # so its warnings are shown only for weights that did load. Recorded under the caller's
+    # filters (judged where Keras warns: "ignore" drops one, "error" makes it a failed load),
+    # then shown as Python would have shown them.
     with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
         try:
             model.load_weights(weights)
             held = int(model.optimizer.iterations.numpy())
@@ -268,8 +269,8 @@ def _load_generation(model: keras.Model, weights: Path, state_file: Path,
             problem = None if held == step else f"{weights.name} holds step {held}"
     if problem is None:
         for warning in warned:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                                   warning.lineno)
+            warnings.showwarning(warning.message, warning.category, warning.filename,
+                                 warning.lineno, warning.file, warning.line)
     if problem is None and SEEDS_KEY in state:  # (an earlier version's backup has none)
         problem = restore_random_states(model, state[SEEDS_KEY])
     if problem is not None and "crc32" in recorded:

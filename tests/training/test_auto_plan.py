@@ -389,8 +389,8 @@ def test_the_val_sample_is_for_bleu_choices_of_a_val_split_larger_than_it(news_s
         trial = train_config(recipe="auto", budget_minutes=60, data="d", src="de", tgt="en",
                              out="o", **flags)
         trial.evaluation.choose_by = flags.get("choose_by", "bleu")
-        return auto_minutes.decoding_grid_choices(trial, {"val": val, "test": news_splits["test"]},
-                                        3600, 0.73)
+        return auto_minutes.decoding_grid_choices(
+            trial, {"val": val, "test": news_splits["test"]}, 3600, 0.73)
 
     val = news_splits["val"]
     assert set(grid(val)) == {"val_beams", "val_sentences"}

@@ -95,6 +95,30 @@ def test_an_intact_backup_of_other_settings_is_refused_not_set_aside(tmp_path):
     assert [p.name for p in (tmp_path / "backup").iterdir()] == ["step-00000010"]
 
 
+def test_warnings_of_weights_that_load_are_shown_and_an_error_filter_refuses_them(tmp_path):
+    _write(_compiled_tiny_model(), tmp_path, 10)
+
+    def warning_load(model):
+        load = model.load_weights
+
+        def load_weights(path):
+            warnings.warn("kept a layer fresh", UserWarning, stacklevel=2)
+            load(path)
+        model.load_weights = load_weights
+        return model
+
+    with pytest.warns(UserWarning, match="kept a layer fresh"):
+        assert backup.restore_backup(warning_load(_compiled_tiny_model()), tmp_path)[
+            "step"] == 10
+    # The caller's filters judge it where it is raised: as an error it fails the load, and
+    # an intact backup that does not load is refused (nothing moved).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(UsageError, match="does not load .*kept a layer fresh"):
+            backup.restore_backup(warning_load(_compiled_tiny_model()), tmp_path)
+    assert [p.name for p in (tmp_path / "backup").iterdir()] == ["step-00000010"]
+
+
 def test_checkpoints_agree_with_the_restored_state(tmp_path):
     model = _compiled_tiny_model()
     checkpoints = tmp_path / "checkpoints"

@@ -68,6 +68,7 @@ def _assert_finished(result: subprocess.CompletedProcess, out: Path) -> dict:
     assert "Traceback" not in output, output[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == STEPS
+    assert results["export"] is None  # --no-export
     return results
 
 
