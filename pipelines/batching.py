@@ -255,7 +255,10 @@ def make_batches(
 
     Returns:
       A ``tf.data.Dataset`` of ``({"source": int32 [B, S], "target": int32 [B, T]},
-      labels int32 [B, T])``, deterministic for a given seed.
+      labels int32 [B, T])``, deterministic for a given seed. Without ``repeat`` its
+      cardinality is unknown (token-budget batches are counted only by making them): as
+      Keras validation data, count it once and ``assert_cardinality``, or Keras warns at each
+      validation that the input ran out of data.
 
     Raises:
       ValueError: invalid arguments, or no pair short enough to keep.
