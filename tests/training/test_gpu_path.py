@@ -151,18 +151,24 @@ def _command(data, out, *flags) -> list[str]:
             "--out", str(out), *flags]
 
 
+@pytest.fixture
+def train_on_tf_ops(capsys, monkeypatch):
+    """Runs a train command's `main` in this process (what `python -m` runs, without starting
+    TensorFlow again) on the TF ops path: the fused kernels' switch is read at each run."""
+    from tests.training.test_resume import in_this_process
+
+    for name, value in TF_OPS.items():
+        monkeypatch.setenv(name, value)
+    return lambda command: in_this_process(command, capsys)
+
+
 @pytest.mark.slow
 def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_exports(
-        tmp_path, capsys, monkeypatch):
+        tmp_path, train_on_tf_ops):
     import tensorflow as tf
     import tensorflow_text  # noqa: F401 (registers the SavedModel's tokenizer ops)
 
-    from tests.training.test_resume import in_this_process
-
-    # Both runs in this process (what `python -m` runs, without starting TensorFlow again):
-    # the fused kernels' switch is read at each run.
-    for name, value in TF_OPS.items():
-        monkeypatch.setenv(name, value)
+    # Both runs in this process.
     data = write_toy_corpus(tmp_path / "corpus")
     out, export = tmp_path / "run", tmp_path / "export"
     # A loss scale of 2^100 overflows float16 for ~85 halvings: every update here is skipped.
@@ -170,12 +176,11 @@ def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_e
     flags = ["--precision", "mixed_float16", "--initial-loss-scale", str(2.0**100),
              "--checkpoint-every", "2", "--average-last", "3", "--beam", "1",
              "--test-split", "none", "--export-dir", str(export)]
-    first = in_this_process(_command(data, out, *flags, "--max-steps", "4", "--no-export"),
-                            capsys)
+    first = train_on_tf_ops(_command(data, out, *flags, "--max-steps", "4", "--no-export"))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     # The same run, allowed further: resumed from its backup at step 4.
     (out / "results.json").unlink()
-    second = in_this_process(_command(data, out, *flags, "--max-steps", "6"), capsys)
+    second = train_on_tf_ops(_command(data, out, *flags, "--max-steps", "6"))
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert "resuming at step 4, until 6 steps" in second.stdout
     results = json.loads((out / "results.json").read_text())
@@ -194,21 +199,16 @@ def test_mixed_float16_with_forced_overflow_keeps_the_step_cadence_resumes_and_e
 
 @pytest.mark.slow
 def test_xla_with_float16_loss_scaling_on_the_tf_ops_path_trains_on_bounded_batch_shapes(
-        tmp_path, capsys, monkeypatch):
-    from tests.training.test_resume import in_this_process
-
+        tmp_path, train_on_tf_ops):
     # What `auto` picks on a V100 or T4: mixed_float16 with loss scaling, XLA, TF ops. The
     # scale starts high enough (2^24) that the first updates overflow and are skipped. Short
-    # sentences: their batches come in 2 shapes, and each shape costs an XLA compile. In this
-    # process, as `python -m` runs it (the fused kernels' switch is read at each run).
-    for name, value in TF_OPS.items():
-        monkeypatch.setenv(name, value)
+    # sentences: their batches come in 2 shapes, and each shape costs an XLA compile.
     data = write_toy_corpus(tmp_path / "corpus", pairs=120, sentence_words=(3, 4))
     out = tmp_path / "run"
-    result = in_this_process(_command(
+    result = train_on_tf_ops(_command(
         data, out, "--jit-compile", "on", "--precision", "mixed_float16",
         "--initial-loss-scale", str(2.0**24), "--max-steps", "4", "--checkpoint-every", "2",
-        "--test-split", "none", "--no-export"), capsys)
+        "--test-split", "none", "--no-export"))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     config = json.loads((out / "config.json").read_text())
