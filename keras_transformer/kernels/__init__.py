@@ -40,6 +40,8 @@ from pathlib import Path
 
 import keras
 
+from keras_transformer.kernels.custom_gradient import custom_gradient
+
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cross_entropy.cc", _HERE / "residual_norm.cc")  # one library
 _HEADERS = (_HERE / "common.h",)
@@ -304,7 +306,7 @@ def smoothed_cross_entropy(library, labels, logits, label_smoothing: float):
 
     eps = float(label_smoothing)
 
-    @tf.custom_gradient
+    @custom_gradient
     def cross_entropy(logits):
         loss, log_normalizer = library.kt_smoothed_cross_entropy(
             logits, labels, label_smoothing=eps)
@@ -339,7 +341,7 @@ def residual_norm(library, x, residual, gamma, beta, seed, epsilon: float, rate:
     seed = tf.cast(seed, tf.int64)
     rate = float(rate)
 
-    @tf.custom_gradient
+    @custom_gradient
     def normalize(x, residual, gamma, beta):
         outputs, mean, inverse_std = library.kt_residual_norm(
             x, residual, gamma, beta, seed, epsilon=float(epsilon), rate=rate)

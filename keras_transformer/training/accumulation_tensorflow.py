@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from keras_transformer.training.accumulation import check_accumulation
+from keras_transformer.training.losses_tensorflow import sum_over_replicas
 
 
 class GradientAccumulator:
@@ -87,7 +88,7 @@ class GradientAccumulator:
         tokens = tf.identity(self.tokens.value)  # a tensor: collectives refuse variables
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            tokens = context.all_reduce(tf.distribute.ReduceOp.SUM, tokens)
+            tokens = sum_over_replicas(tokens)
         inverse = 1.0 / tf.maximum(tokens, 1.0)
         optimizer.apply([None if index in self._without_gradient else g.value * inverse
                          for index, g in enumerate(self.gradients)], self.variables)

@@ -87,8 +87,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         context = tf.distribute.get_replica_context()
         if (context is not None and context.num_replicas_in_sync > 1
                 and tf.__internal__.distribute.strategy_supports_no_merge_call()):
-            bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                     tf.cast(tf.logical_not(finite), tf.float32))
+            from keras_transformer.training.losses_tensorflow import sum_over_replicas
+
+            bad = sum_over_replicas(tf.cast(tf.logical_not(finite), tf.float32))
             finite = tf.equal(bad, 0.0)
         return finite
 

@@ -1,11 +1,11 @@
 """5.4's label-smoothed cross-entropy as TensorFlow fast paths, chosen under the TensorFlow
 backend by `keras_transformer.training.losses` (which holds the backend-independent losses).
 
-- `token_cross_entropy`: the gradient written by hand (`tf.custom_gradient`), computed in the
+- `token_cross_entropy`: the gradient written by hand (`kernels.custom_gradient`), computed in the
   same XLA pass as the loss, or the fused C++ kernels of `keras_transformer.kernels`.
 - `before_exact_upcast`: reads a graph's bfloat16 logits before their exact float32 cast.
-- `replicas_in_sync`, `sum_over_replicas`: `GlobalTokenCrossEntropy`'s all-reduce over
-  `tf.distribute` replicas.
+- `replicas_in_sync`, `sum_over_replicas`: the all-reduce over `tf.distribute` replicas of
+  `GlobalTokenCrossEntropy`, gradient accumulation and the loss scaling.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from keras_transformer.kernels import (
     smoothed_cross_entropy,
     smoothed_cross_entropy_value,
 )
+from keras_transformer.kernels.custom_gradient import custom_gradient, release_custom_gradients
 
 
 def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
@@ -50,7 +51,7 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     if library is not None:
         return smoothed_cross_entropy(library, labels, logits, eps)
 
-    @tf.custom_gradient
+    @custom_gradient
     def cross_entropy(logits):
         loss, unscaled_gradient = _cross_entropy_and_gradient(logits, labels, eps)
 
@@ -132,8 +133,15 @@ def replicas_in_sync() -> int:
 
 
 def sum_over_replicas(values):
-    """`values` (a float32 tensor) summed over the replicas of this step: one all-reduce."""
-    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
+    """`values` (a float32 tensor) summed over the replicas of this step: one all-reduce.
+
+    tf.distribute's `all_reduce` is a `tf.custom_gradient`: in a traced step, the graph is
+    then released from TensorFlow's gradient registry (`kernels.custom_gradient`), so that
+    it is freed with its last user.
+    """
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, values)
+    release_custom_gradients()
+    return total
 
 
 def before_exact_upcast_for_kernels(logits):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_transformer.kernels.custom_gradient import release_custom_gradients
+
 
 def cooldown_start(total_steps: int | None, cooldown: float) -> float | None:
     """The step where `NoamSchedule`'s final cooldown begins (None without one): computed as
@@ -76,6 +78,18 @@ class FusedAdam(keras.optimizers.Adam):
     does every backend but TensorFlow (under JAX, XLA fuses keras' update: the fused op is a
     TensorFlow fast path, chosen only there).
     """
+
+    def apply(self, grads, trainable_variables=None):
+        """Keras' `apply`; in a step traced by TensorFlow, the step's graph is then released
+        from TensorFlow's gradient registry (`kernels.custom_gradient.
+        release_custom_gradients`). Keras sums the gradients over replicas with
+        tf.distribute's `all_reduce`, a `tf.custom_gradient`, even on one device: without
+        this, every traced training step would stay in memory for the life of the process
+        (~200 MB a `small` model trained and dropped, BENCHMARKS.md)."""
+        result = super().apply(grads, trainable_variables)
+        if keras.backend.backend() == "tensorflow":
+            release_custom_gradients()
+        return result
 
     def update_step(self, gradient, variable, learning_rate):
         if keras.backend.backend() != "tensorflow":

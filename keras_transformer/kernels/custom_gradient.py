@@ -1,0 +1,125 @@
+"""`tf.custom_gradient` whose graphs can be garbage collected.
+
+The hand-written gradients of this project's TensorFlow fast paths (3.1's LayerNorm, the
+fused kernels, 5.4's cross-entropy) are `tf.custom_gradient` functions. In graph mode (a
+`tf.function`, a Keras scratch graph, a while loop's body) every call of one registers its
+gradient function under a fresh name ("CustomGradient-<uid>") in TensorFlow's global
+gradient registry, and nothing ever removes it (tensorflow/tensorflow#27492, #97697). That
+function's closure holds the call's tensors, so the registry keeps every graph that ever
+called one alive for the life of the process, with all its operations: a training step,
+each decoding search, each layer's scratch graph when Keras builds a model. A process that
+builds and traces many graphs grows without bound: a notebook that trains model after model,
+a back-translation run (two models), a server reloading models, and this project's test
+suite (after four test modules, 324,000 graph operations alive and walked by every garbage
+collection).
+
+`custom_gradient` below is `tf.custom_gradient` with one change, after each graph-mode call:
+the registered function moves onto the graph that holds the call, and the registry keeps a
+small function that reaches it through a weak reference to that graph and is removed when
+the graph is collected. Gradients are exactly TensorFlow's, looked up the same way, for as
+long as anything can ask for them (asking needs the graph's operations, which hold the
+graph); the graph is then freed with its last user. Eager calls register nothing and are
+left as they are.
+
+`release_custom_gradients` does the same at the end of a trace, for the custom gradients of
+TensorFlow's own code in the graph: tf.distribute's `all_reduce` is one, and Keras' optimizers
+call it on the gradients of every traced training step, even on one device. `FusedAdam.apply`
+(the paper's Adam, `paper_adam`) and `losses_tensorflow.sum_over_replicas` call it. With an
+optimizer of Keras' own (`"adam"`), Keras' all-reduce still keeps each traced training step
+alive.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+# The graph attribute that owns the gradient functions of its custom-gradient calls.
+_OWNED_GRADIENTS = "_keras_transformer_custom_gradients"
+# Marks the registry's stand-ins, so that a function is moved once.
+_MOVED = "_keras_transformer_moved_onto_graph"
+
+
+def custom_gradient(forward: Callable) -> Callable:
+    """`tf.custom_gradient(forward)`, letting each graph that calls it be garbage collected.
+
+    Args:
+        forward: as for `tf.custom_gradient`: takes tensors (positional arguments only),
+            returns (outputs, gradient function).
+
+    Returns:
+        the decorated function: the same outputs and gradients as `tf.custom_gradient`.
+    """
+    import tensorflow as tf  # a TensorFlow fast path: callers import it already
+
+    decorated = tf.custom_gradient(forward)
+
+    @functools.wraps(forward)
+    def call(*args):
+        outputs = decorated(*args)
+        if not tf.executing_eagerly():
+            _release_graph(tf.nest.flatten(outputs)[0].op)
+        return outputs
+
+    return call
+
+
+def release_custom_gradients(graph=None) -> int:
+    """Lets a graph be collected despite the custom gradients its operations registered.
+
+    For the `tf.custom_gradient` calls of code this project does not own, made while tracing
+    the graph: tf.distribute's `all_reduce`, which Keras' optimizer calls on the gradients of
+    each traced training step (and `GlobalTokenCrossEntropy` on its token counts), is one.
+    Call it at the end of a trace, inside the function being traced. A registered function
+    already moved is left as it is.
+
+    Args:
+        graph: a `tf.Graph`; default: the graph being built (none when executing eagerly:
+            then nothing was registered, and nothing is done).
+
+    Returns:
+        the number of registered gradient functions moved onto the graph.
+    """
+    import tensorflow as tf
+
+    if graph is None:
+        if tf.executing_eagerly():
+            return 0
+        graph = tf.compat.v1.get_default_graph()
+    return sum(_release_graph(op) for op in graph.get_operations() if op.type == "IdentityN")
+
+
+def _release_graph(op) -> bool:
+    """Moves the gradient function registered for `op` (the IdentityN that
+    `tf.custom_gradient` routes its outputs through) from the global registry onto `op.graph`.
+
+    Returns:
+        whether a function was moved (False: `op` has none registered, or it was moved before).
+    """
+    # The registry has no public API to remove or replace an entry.
+    from tensorflow.python.framework import ops
+
+    try:
+        name = op.get_attr("_gradient_op_type").decode()
+    except ValueError:  # not the op tf.custom_gradient made: nothing was registered for it
+        return False
+    registry = ops._gradient_registry._registry
+    entry = registry.get(name)
+    if entry is None or getattr(entry["type"], _MOVED, False):
+        return False
+    graph = op.graph
+    owned = getattr(graph, _OWNED_GRADIENTS, None)
+    if owned is None:
+        owned = {}
+        setattr(graph, _OWNED_GRADIENTS, owned)
+    owned[name] = entry["type"]
+    # The callback must not hold the graph; the weak reference lives as long as the entry.
+    graph_ref = weakref.ref(graph, lambda _: registry.pop(name, None))
+
+    def gradient(gradient_op, *output_gradients):
+        return getattr(graph_ref(), _OWNED_GRADIENTS)[name](gradient_op, *output_gradients)
+
+    setattr(gradient, _MOVED, True)
+    entry["type"] = gradient
+    return True
