@@ -19,7 +19,10 @@ small function that reaches it through a weak reference to that graph and is rem
 the graph is collected. Gradients are exactly TensorFlow's, looked up the same way, for as
 long as anything can ask for them (asking needs the graph's operations, which hold the
 graph); the graph is then freed with its last user. Eager calls register nothing and are
-left as they are.
+left as they are. One difference remains: a copy of such an operation in another graph (a
+`tf.compat.v1.import_graph_def`, a function re-imported without its custom gradients) finds
+no gradient once the original graph is gone, where TensorFlow would have differentiated the
+copy with the original's tensors.
 
 `release_custom_gradients` does the same at the end of a trace, for the custom gradients of
 TensorFlow's own code in the graph: tf.distribute's `all_reduce` is one, and Keras' optimizers
@@ -37,8 +40,6 @@ from collections.abc import Callable
 
 # The graph attribute that owns the gradient functions of its custom-gradient calls.
 _OWNED_GRADIENTS = "_keras_transformer_custom_gradients"
-# Marks the registry's stand-ins, so that a function is moved once.
-_MOVED = "_keras_transformer_moved_onto_graph"
 
 
 def custom_gradient(forward: Callable) -> Callable:
@@ -55,11 +56,14 @@ def custom_gradient(forward: Callable) -> Callable:
 
     decorated = tf.custom_gradient(forward)
 
+    # Called as tf.custom_gradient's own wrapper is: as Python, not converted by AutoGraph.
+    @tf.autograph.experimental.do_not_convert
     @functools.wraps(forward)
     def call(*args):
         outputs = decorated(*args)
-        if not tf.executing_eagerly():
-            _release_graph(tf.nest.flatten(outputs)[0].op)
+        flat = tf.nest.flatten(outputs, expand_composites=True)
+        if flat and not tf.executing_eagerly():
+            _move_onto_graph(flat[0].op)
         return outputs
 
     return call
@@ -69,10 +73,12 @@ def release_custom_gradients(graph=None) -> int:
     """Lets a graph be collected despite the custom gradients its operations registered.
 
     For the `tf.custom_gradient` calls of code this project does not own, made while tracing
-    the graph: tf.distribute's `all_reduce`, which Keras' optimizer calls on the gradients of
-    each traced training step (and `GlobalTokenCrossEntropy` on its token counts), is one.
-    Call it at the end of a trace, inside the function being traced. A registered function
-    already moved is left as it is.
+    the graph: tf.distribute's `all_reduce` is one, which Keras' optimizers call on the
+    gradients of each traced training step (and this project's all-reduces over several
+    replicas). Call it at the end of a trace, inside the function being traced: it walks the
+    operations that trace made in that graph, not those of graphs nested in it (a while
+    loop's body, a `tf.cond` branch: call it there, where they are being traced), nor
+    operations imported from elsewhere. A function already moved is left as it is.
 
     Args:
         graph: a `tf.Graph`; default: the graph being built (none when executing eagerly:
@@ -87,15 +93,16 @@ def release_custom_gradients(graph=None) -> int:
         if tf.executing_eagerly():
             return 0
         graph = tf.compat.v1.get_default_graph()
-    return sum(_release_graph(op) for op in graph.get_operations() if op.type == "IdentityN")
+    return sum(_move_onto_graph(op) for op in graph.get_operations() if op.type == "IdentityN")
 
 
-def _release_graph(op) -> bool:
+def _move_onto_graph(op) -> bool:
     """Moves the gradient function registered for `op` (the IdentityN that
     `tf.custom_gradient` routes its outputs through) from the global registry onto `op.graph`.
 
     Returns:
-        whether a function was moved (False: `op` has none registered, or it was moved before).
+        whether a function was moved (False: `op` has none of tf.custom_gradient's registered,
+        or it was moved before).
     """
     # The registry has no public API to remove or replace an entry.
     from tensorflow.python.framework import ops
@@ -106,7 +113,11 @@ def _release_graph(op) -> bool:
         return False
     registry = ops._gradient_registry._registry
     entry = registry.get(name)
-    if entry is None or getattr(entry["type"], _MOVED, False):
+    # Only the entries tf.custom_gradient made for one call: a name registered otherwise
+    # (`tf.RegisterGradient` with `gradient_override_map`, a loaded SavedModel's functions)
+    # may serve other graphs too, and must outlive this one.
+    if (entry is None or not name.startswith("CustomGradient-")
+            or getattr(entry["type"], "__name__", None) != "internal_grad_fn"):
         return False
     graph = op.graph
     owned = getattr(graph, _OWNED_GRADIENTS, None)
@@ -120,6 +131,5 @@ def _release_graph(op) -> bool:
     def gradient(gradient_op, *output_gradients):
         return getattr(graph_ref(), _OWNED_GRADIENTS)[name](gradient_op, *output_gradients)
 
-    setattr(gradient, _MOVED, True)
     entry["type"] = gradient
     return True

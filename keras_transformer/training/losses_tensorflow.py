@@ -1,8 +1,8 @@
 """5.4's label-smoothed cross-entropy as TensorFlow fast paths, chosen under the TensorFlow
 backend by `keras_transformer.training.losses` (which holds the backend-independent losses).
 
-- `token_cross_entropy`: the gradient written by hand (`kernels.custom_gradient`), computed in the
-  same XLA pass as the loss, or the fused C++ kernels of `keras_transformer.kernels`.
+- `token_cross_entropy`: the gradient written by hand (`kernels.custom_gradient`), computed in
+  the same XLA pass as the loss, or the fused C++ kernels of `keras_transformer.kernels`.
 - `before_exact_upcast`: reads a graph's bfloat16 logits before their exact float32 cast.
 - `replicas_in_sync`, `sum_over_replicas`: the all-reduce over `tf.distribute` replicas of
   `GlobalTokenCrossEntropy`, gradient accumulation and the loss scaling.

@@ -2,8 +2,9 @@
 
 The forward function below is x * x with a gradient deliberately not its derivative
 (3 * upstream instead of 2 * x * upstream), so that every check sees which one was used:
-the hand-written gradient (looked up through the stand-in left in TensorFlow's registry) or
-autodiff. "Freed" is checked with a weak reference to the traced graph after the function
+the hand-written gradient or autodiff. A tape inside the traced function calls the gradient
+it recorded; `tf.gradients`, while loops and the lazily built backward of a traced function
+look it up by name, through the stand-in left in TensorFlow's registry. "Freed" is checked with a weak reference to the traced graph after the function
 that traced it is dropped and garbage is collected; the model-level check trains, evaluates
 and decodes twice in one process and requires that the second round leaves no graph behind.
 """
@@ -88,6 +89,19 @@ def _traced_function_differentiated_eagerly_after_a_collection():
     return tape.gradient(y, x)
 
 
+def _while_body_differentiated_eagerly_after_a_collection():
+    """The while loop's body graph, held by the loop's op, keeps its stand-in's function."""
+    function = tf.function(
+        lambda x: tf.while_loop(lambda i, y: i < 1, lambda i, y: (i + 1, square(y)), [0, x])[1]
+    ).get_concrete_function(tf.TensorSpec([3], tf.float32))
+    gc.collect()
+    x = tf.constant(X)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = function(x)
+    return tape.gradient(y, x)
+
+
 def _eager():
     x = tf.constant(X)
     with tf.GradientTape() as tape:
@@ -98,7 +112,8 @@ def _eager():
 
 @pytest.mark.parametrize("compute", [
     _eager, _under_tape_in_function, _symbolic_in_function, _through_a_while_loop,
-    _traced_function_differentiated_eagerly_after_a_collection], ids=lambda f: f.__name__)
+    _traced_function_differentiated_eagerly_after_a_collection,
+    _while_body_differentiated_eagerly_after_a_collection], ids=lambda f: f.__name__)
 def test_the_gradient_is_the_hand_written_one(compute):
     np.testing.assert_allclose(compute().numpy(), HAND_WRITTEN, rtol=1e-6)
 
@@ -111,7 +126,6 @@ def test_a_traced_graph_is_freed_with_its_function_and_its_entry_leaves_the_regi
     graph = weakref.ref(concrete.graph)
     added = _custom_entries() - before
     assert len(added) == 1  # the one call's gradient, still registered while the graph lives
-    gc.collect()
     np.testing.assert_allclose(concrete(tf.constant(X)).numpy(), HAND_WRITTEN)
     del function, concrete
     gc.collect()
@@ -143,14 +157,15 @@ def test_release_custom_gradients_frees_a_graph_of_tensorflows_own_custom_gradie
     assert graph() is None
 
 
-def _live_graphs() -> set[int]:
+def _live_graphs() -> list[FuncGraph]:
     gc.collect()
-    return {id(graph) for graph in gc.get_objects() if isinstance(graph, FuncGraph)}
+    return [graph for graph in gc.get_objects() if isinstance(graph, FuncGraph)]
 
 
 def _train_evaluate_decode(rng: np.random.Generator) -> None:
-    """The run of a notebook: a model trained (with gradient accumulation), evaluated with
-    the global-token loss, decoded, then dropped."""
+    """A notebook's round: a model trained (with gradient accumulation and the train
+    command's loss), evaluated, beam-decoded, then dropped. (Over several replicas:
+    tests/cluster/test_strategy.py.)"""
     model = build_trainer("tiny", vocab_size=40)
     model.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
     source = rng.integers(4, 40, (4, 6)).astype("int32")
@@ -165,10 +180,10 @@ def test_a_model_trained_evaluated_decoded_and_dropped_leaves_no_graph_behind():
     rng = np.random.default_rng(0)
     _train_evaluate_decode(rng)  # fills the process's own caches (module-level functions)
     keras.backend.clear_session()
-    before = _live_graphs()
+    before = _live_graphs()  # held: no graph of the next round can take one's id
+    entries = _custom_entries()
     _train_evaluate_decode(rng)
     keras.backend.clear_session()
-    gc.collect()
-    left = [graph.name for graph in gc.get_objects()
-            if isinstance(graph, FuncGraph) and id(graph) not in before]
-    assert left == []
+    kept = {id(graph) for graph in before}
+    assert [graph.name for graph in _live_graphs() if id(graph) not in kept] == []
+    assert _custom_entries() <= entries
