@@ -77,37 +77,34 @@ def _through_a_while_loop():
     return step(tf.constant(X))
 
 
-def _traced_function_differentiated_eagerly_after_a_collection():
-    """The backward function of a traced call is built lazily, on the first tape.gradient:
-    here after a garbage collection, from the registry's stand-in."""
-    function = tf.function(square).get_concrete_function(tf.TensorSpec([3], tf.float32))
-    gc.collect()
+def _eager_gradient(function):
     x = tf.constant(X)
     with tf.GradientTape() as tape:
         tape.watch(x)
         y = function(x)
     return tape.gradient(y, x)
+
+
+def _traced_then_collected(python_function):
+    """The backward function of a traced call is built lazily, on the first tape.gradient:
+    here after a garbage collection, from the registry's stand-in."""
+    function = tf.function(python_function).get_concrete_function(tf.TensorSpec([3], tf.float32))
+    gc.collect()
+    return _eager_gradient(function)
+
+
+def _traced_function_differentiated_eagerly_after_a_collection():
+    return _traced_then_collected(square)
 
 
 def _while_body_differentiated_eagerly_after_a_collection():
     """The while loop's body graph, held by the loop's op, keeps its stand-in's function."""
-    function = tf.function(
-        lambda x: tf.while_loop(lambda i, y: i < 1, lambda i, y: (i + 1, square(y)), [0, x])[1]
-    ).get_concrete_function(tf.TensorSpec([3], tf.float32))
-    gc.collect()
-    x = tf.constant(X)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = function(x)
-    return tape.gradient(y, x)
+    return _traced_then_collected(
+        lambda x: tf.while_loop(lambda i, y: i < 1, lambda i, y: (i + 1, square(y)), [0, x])[1])
 
 
 def _eager():
-    x = tf.constant(X)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = square(x)
-    return tape.gradient(y, x)
+    return _eager_gradient(square)
 
 
 @pytest.mark.parametrize("compute", [
