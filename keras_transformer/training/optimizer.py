@@ -85,7 +85,7 @@ class FusedAdam(keras.optimizers.Adam):
         release_custom_gradients`). Keras sums the gradients over replicas with
         tf.distribute's `all_reduce`, a `tf.custom_gradient`, even on one device: without
         this, every traced training step would stay in memory for the life of the process
-        (~200 MB a `small` model trained and dropped, BENCHMARKS.md)."""
+        (~190 MiB a `small` model trained and dropped: BENCHMARKS.md)."""
         result = super().apply(grads, trainable_variables)
         if keras.backend.backend() == "tensorflow":
             release_custom_gradients()
