@@ -4,9 +4,10 @@ The forward function below is x * x with a gradient deliberately not its derivat
 (3 * upstream instead of 2 * x * upstream), so that every check sees which one was used:
 the hand-written gradient or autodiff. A tape inside the traced function calls the gradient
 it recorded; `tf.gradients`, while loops and the lazily built backward of a traced function
-look it up by name, through the stand-in left in TensorFlow's registry. "Freed" is checked with a weak reference to the traced graph after the function
-that traced it is dropped and garbage is collected; the model-level check trains, evaluates
-and decodes twice in one process and requires that the second round leaves no graph behind.
+look it up by name, through the stand-in left in TensorFlow's registry. "Freed" is checked
+with a weak reference to the traced graph after the function that traced it is dropped and
+garbage is collected; the model-level check trains, evaluates and decodes twice in one
+process and requires that the second round leaves no graph behind.
 """
 
 from __future__ import annotations
