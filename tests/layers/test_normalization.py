@@ -192,6 +192,54 @@ def test_axis_given_as_last_index_uses_closed_form(fast_path_calls):
     assert_same([out, *grads], [ref_out, *ref_grads], **F32_TOL)
 
 
+def custom_gradient_ops(graph) -> list:
+    """The IdentityN ops through which `tf.custom_gradient` routes its calls' outputs."""
+    ops = []
+    for op in graph.get_operations():
+        try:
+            op.get_attr("_gradient_op_type")
+        except ValueError:
+            continue
+        ops.append(op)
+    return ops
+
+
+def test_hand_written_gradient_only_where_a_tape_records():
+    """Traced under a tape (a training step), the layer routes its outputs through the
+    hand-written gradient; traced without one (inference, decoding, an export), it makes the
+    same forward operations without it, with the same values, and autodiff still
+    differentiates them."""
+    shape = SHAPES["rank3"]
+    ours, reference = layer_pair(shape, epsilon=EPSILON)
+    x = tf.constant(random_inputs(shape))
+    upstream = tf.constant(random_inputs(shape, seed=2))
+
+    @tf.function(autograph=False)
+    def with_tape(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            outputs = ours(x)
+            loss = tf.reduce_sum(outputs * upstream)
+        return outputs, tape.gradient(loss, [x, *ours.weights])
+
+    @tf.function(autograph=False)
+    def without_tape(x):
+        outputs = ours(x)
+        loss = tf.reduce_sum(outputs * upstream)
+        return outputs, tf.gradients(loss, [x, *ours.weights])
+
+    taped = with_tape.get_concrete_function(x)
+    untaped = without_tape.get_concrete_function(x)
+    assert len(custom_gradient_ops(taped.graph)) == 1
+    assert custom_gradient_ops(untaped.graph) == []
+    taped_out, taped_grads = taped(x)
+    untaped_out, untaped_grads = untaped(x)
+    np.testing.assert_array_equal(untaped_out, taped_out)
+    ref_out, ref_grads = forward_backward(reference, x, upstream)
+    assert_same([untaped_out, *untaped_grads], [ref_out, *ref_grads], **F32_TOL)
+    assert_same(taped_grads, ref_grads, **F32_TOL)
+
+
 # --- the layer: keras' fallback ---
 
 

@@ -370,6 +370,40 @@ def test_export_contains_only_standard_ops(exported):
     assert not {op for op in op_types if op.startswith("Kt")}
 
 
+def test_export_holds_no_gradient_functions_and_a_load_leaves_nothing(exported):
+    """An inference export computes no custom gradients, so it saves none: each
+    `tf.saved_model.load` of a SavedModel that holds some registers them in TensorFlow's
+    gradient registry for the life of the process, with the loaded graphs they hold."""
+    import gc
+
+    from tensorflow.core.protobuf import saved_model_pb2
+    from tensorflow.python.framework import func_graph, ops
+
+    _, _, path, _ = exported
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
+    graphs = [meta_graph.graph_def for meta_graph in saved_model.meta_graphs]
+    assert not [gradient for graph in graphs for gradient in graph.library.registered_gradients]
+    nodes = [node for graph in graphs for function in graph.library.function
+             for node in function.node_def]
+    assert len(nodes) > 1000
+    assert not [node.name for node in nodes if "_gradient_op_type" in node.attr]
+
+    def live_graphs():
+        gc.collect()
+        return [item for item in gc.get_objects() if isinstance(item, func_graph.FuncGraph)]
+
+    before = live_graphs()  # held, so that no new graph can take a collected one's id
+    registered = len(ops._gradient_registry._registry)
+    loaded = tf.saved_model.load(str(path))
+    assert _texts(loaded.signatures["serving_default"](tf.constant(["ein hund läuft ."]))["outputs"])
+    assert len(live_graphs()) > len(before)
+    del loaded
+    assert len(ops._gradient_registry._registry) == registered
+    known = {id(graph) for graph in before}
+    assert [graph.name for graph in live_graphs() if id(graph) not in known] == []
+
+
 def _save_on_a_full_disk(module, directory, signatures=None):
     """`tf.saved_model.save` on a full disk, as it fails on a tmpfs: part of the variables
     written, then a ResourceExhaustedError with the errno text."""
