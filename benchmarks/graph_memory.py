@@ -45,44 +45,51 @@ def main(argv: list[str] | None = None) -> None:
                         help="also export each model, load the export and translate with it")
     args = parser.parse_args(argv)
 
-    import keras
     import numpy as np
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(prefix="graph_memory-") as scratch:
+        tokenizer = (_synthetic_tokenizer(Path(scratch), args.vocab, rng) if args.saved_model
+                     else None)
+        for round_index in range(args.rounds):
+            _round(args, round_index, rng, tokenizer, Path(scratch))
+
+
+def _round(args, round_index: int, rng, tokenizer, scratch: Path) -> None:
+    """Builds, trains, evaluates, decodes (exports, loads) and drops one model; prints."""
+    import keras
     from tensorflow.python.framework import ops
     from tensorflow.python.framework.func_graph import FuncGraph
 
     import keras_transformer as kt
     from keras_transformer.decoding.search import beam_search
 
-    rng = np.random.default_rng(0)
-    scratch = Path(tempfile.mkdtemp(prefix="graph_memory-"))
-    tokenizer = _synthetic_tokenizer(scratch, args.vocab, rng) if args.saved_model else None
-    for round_index in range(args.rounds):
-        model = kt.build_transformer(args.preset, vocab_size=args.vocab)
-        optimizer = (kt.paper_adam(model.config.d_model, 100) if args.optimizer == "paper"
-                     else "adam")
-        model.compile(optimizer=optimizer, loss=kt.LabelSmoothedCrossEntropy(0.1))
-        source = rng.integers(4, args.vocab, (16, 20)).astype("int32")
-        target = rng.integers(4, args.vocab, (16, 21)).astype("int32")
-        features = {"source": source, "target": target[:, :-1]}
-        model.fit(features, target[:, 1:], batch_size=8, epochs=1, verbose=0)
-        model.evaluate(features, target[:, 1:], batch_size=16, verbose=0)
-        beam_search(model, source[:2], beam_size=2, max_length=5)
-        if tokenizer is not None:
-            _export_load_translate(model, tokenizer, scratch / f"export-{round_index}")
-        del model
-        keras.backend.clear_session()
-        gc.collect()
-        graphs = [obj for obj in gc.get_objects() if isinstance(obj, FuncGraph)]
-        entries = [name for name in ops._gradient_registry._registry
-                   if name.startswith("CustomGradient")]
-        print(json.dumps({
-            "round": round_index + 1, "preset": args.preset, "optimizer": args.optimizer,
-            "saved_model": args.saved_model,
-            "graphs_alive": len(graphs),
-            "graph_operations": sum(len(graph.get_operations()) for graph in graphs),
-            "custom_gradient_entries": len(entries),
-            "resident_mib": round(_resident_mib()),
-        }), flush=True)
+    model = kt.build_transformer(args.preset, vocab_size=args.vocab)
+    optimizer = (kt.paper_adam(model.config.d_model, 100) if args.optimizer == "paper"
+                 else "adam")
+    model.compile(optimizer=optimizer, loss=kt.LabelSmoothedCrossEntropy(0.1))
+    source = rng.integers(4, args.vocab, (16, 20)).astype("int32")
+    target = rng.integers(4, args.vocab, (16, 21)).astype("int32")
+    features = {"source": source, "target": target[:, :-1]}
+    model.fit(features, target[:, 1:], batch_size=8, epochs=1, verbose=0)
+    model.evaluate(features, target[:, 1:], batch_size=16, verbose=0)
+    beam_search(model, source[:2], beam_size=2, max_length=5)
+    if tokenizer is not None:
+        _export_load_translate(model, tokenizer, scratch / f"export-{round_index}")
+    del model
+    keras.backend.clear_session()
+    gc.collect()
+    graphs = [obj for obj in gc.get_objects() if isinstance(obj, FuncGraph)]
+    entries = [name for name in ops._gradient_registry._registry
+               if name.startswith("CustomGradient")]
+    print(json.dumps({
+        "round": round_index + 1, "preset": args.preset, "optimizer": args.optimizer,
+        "saved_model": args.saved_model,
+        "graphs_alive": len(graphs),
+        "graph_operations": sum(len(graph.get_operations()) for graph in graphs),
+        "custom_gradient_entries": len(entries),
+        "resident_mib": round(_resident_mib()),
+    }), flush=True)
 
 
 def _synthetic_tokenizer(directory: Path, vocab_size: int, rng):

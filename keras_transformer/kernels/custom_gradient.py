@@ -11,7 +11,8 @@ each decoding search, each layer's scratch graph when Keras builds a model. A pr
 builds and traces many graphs grows without bound: a notebook that trains model after model,
 a back-translation run (two models), a server reloading models, and this project's test
 suite (after four test modules, 324,000 graph operations alive and walked by every garbage
-collection).
+collection). (Since `gradients_recorded` below, the LayerNorm takes its hand-written
+gradient only under a tape: decoding searches and scratch graphs no longer call one.)
 
 `custom_gradient` below is `tf.custom_gradient` with one change, after each graph-mode call:
 the registered function moves onto the graph that holds the call, and the registry keeps a
@@ -36,7 +37,7 @@ a hand-written gradient (a speed-up of the backward pass only) is left out where
 could use it: inference, evaluation, decoding, a SavedModel's signatures. Such graphs then
 register nothing; and a SavedModel holding custom gradients saves their traced gradient
 functions, which every `tf.saved_model.load` of it registers for the life of the process,
-with the loaded functions they hold (a `small` model's export: ~230 graphs and ~350 MiB a
+with the loaded functions they hold (a `small` model's export: ~230 graphs and ~430 MiB a
 load).
 """
 
@@ -78,18 +79,23 @@ def custom_gradient(forward: Callable) -> Callable:
 
 
 def gradients_recorded() -> bool:
-    """Whether a `tf.GradientTape` could record the operations made now.
+    """Whether a `tf.GradientTape` (or forward accumulator) could record the operations made
+    now on this thread.
 
     True under an active tape: eagerly, and while tracing a function that runs under one (a
-    Keras training step traces the model inside its tape). False elsewhere: a Keras model's
-    scratch graphs, evaluation, decoding, a SavedModel's signatures. The operations made
+    Keras training step traces the model inside its tape, in each replica's thread under
+    `tf.distribute`). False elsewhere: a Keras model built outside a tape, evaluation,
+    decoding, a SavedModel's signatures, under `tape.stop_recording()`. The operations made
     where this is False are still differentiable, by autodiff of the forward operations: by
     `tf.gradients`, or by a tape around a function traced earlier without one.
     """
-    # TensorFlow has no public query of the tape stack.
-    from tensorflow.python.eager import record
-
-    return record.could_possibly_record()
+    # TensorFlow has no public query of the tape stack (the module moved once, in TF 2.13):
+    # if it moves again, every call takes the hand-written gradient, as before this query.
+    try:
+        from tensorflow.python.eager.record import could_possibly_record
+    except ImportError:
+        return True
+    return could_possibly_record()
 
 
 def release_custom_gradients(graph=None) -> int:

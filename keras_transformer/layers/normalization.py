@@ -66,6 +66,7 @@ def layer_normalization(inputs, gamma, beta, epsilon: float):
         normalized, inverse_std = standardize(tf.cast(x, tf.float32), epsilon)
         return tf.cast(normalized * gamma + beta, x.dtype), normalized, inverse_std
 
+    inputs = tf.convert_to_tensor(inputs)
     gamma, beta = tf.cast(gamma, tf.float32), tf.cast(beta, tf.float32)
     if not gradients_recorded():  # the same values; autodiff if a gradient is asked for
         return forward(inputs, gamma, beta)[0]

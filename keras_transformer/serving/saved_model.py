@@ -287,7 +287,11 @@ def export_saved_model(
             "sample": module.sample,
             "score": module.score,
         }
-        tf.saved_model.save(module, str(staging), signatures=signatures)
+        # No gradient functions: decoding computes none (the LayerNorm takes its hand-written
+        # gradient only under a tape), and each load of a SavedModel that holds some
+        # registers them in TensorFlow's gradient registry for the life of the process.
+        tf.saved_model.save(module, str(staging), signatures=signatures,
+                            options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
         metadata = {
             "beam_size": module.beam_size, "alpha": module.alpha,
             "max_input_tokens": module.max_input_tokens,

@@ -80,6 +80,17 @@ EQUIVALENCE = textwrap.dedent(
         kept = [w.numpy() for w in model.weights if not w.path.endswith("key/bias")]
         return history.history["loss"], kept
 
+    # Which threads' LayerNorms take the hand-written gradient (those a tape records on).
+    import threading
+    from keras_transformer.layers import normalization
+    recorded = []
+    def spy(original=normalization.gradients_recorded):
+        result = original()
+        recorded.append((threading.get_ident(), type(threading.current_thread()).__name__,
+                         result))
+        return result
+    normalization.gradients_recorded = spy
+
     two = select_strategy()
     assert two.num_replicas_in_sync == 2, two
     one = tf.distribute.get_strategy()
@@ -90,12 +101,14 @@ EQUIVALENCE = textwrap.dedent(
     # process's own are filled by the run above; `before` holds their graphs.
     gc.collect()
     before = [g for g in gc.get_objects() if isinstance(g, FuncGraph)]
+    recorded.clear()
     loss_2, weights_2 = train(two, GlobalTokenCrossEntropy)
+    taped = sorted({(ident, kind) for ident, kind, result in recorded if result})
     gc.collect()
     kept = {id(g) for g in before}
     left = [g.name for g in gc.get_objects() if isinstance(g, FuncGraph) and id(g) not in kept]
     print(json.dumps({
-        "graphs_left": left,
+        "graphs_left": left, "taped_threads": [kind for _, kind in taped],
         "one": loss_1, "two": loss_2, "naive": naive_2,
         "weight_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(weights_1, weights_2)),
         "naive_weight_diff": max(float(np.max(np.abs(a - b)))
@@ -116,6 +129,9 @@ def test_two_replicas_match_one_device_on_the_same_global_batch_and_leave_no_gra
     assert result.returncode == 0, result.stderr[-3000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert numbers["graphs_left"] == []
+    # Each replica traces its step in a thread of its own, its tape open there: both
+    # replicas' LayerNorms take the hand-written gradient.
+    assert numbers["taped_threads"] == ["_MirroredReplicaThread"] * 2
     # Tolerance: float32 round-off of a different summation order (per-replica partial
     # sums, then an all-reduce), which Adam amplifies where gradients are near zero:
     # 1e-5 relative on the losses, 1e-4 absolute on the weights after 4 steps.

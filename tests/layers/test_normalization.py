@@ -79,7 +79,8 @@ def assert_same(ours, reference, **tolerance):
 
 @pytest.fixture
 def fast_path_calls(monkeypatch):
-    """Counts the layer's calls of `layer_normalization` (the closed-form path)."""
+    """Counts the layer's calls of `layer_normalization` (the closed-form path; under a tape,
+    its hand-written gradient)."""
     calls = []
 
     def spy(*args, **kwargs):
@@ -151,7 +152,7 @@ def test_layer_matches_keras_float32(shape, graph, fast_path_calls):
     upstream = random_inputs(shape, seed=2)
     out, grads = forward_backward(ours, x, upstream, graph)
     ref_out, ref_grads = forward_backward(reference, x, upstream, graph)
-    assert fast_path_calls  # the closed-form gradient was used, not keras' fallback
+    assert fast_path_calls  # the closed-form path was used, not keras' fallback
     assert len(grads) == 3  # inputs, gamma, beta
     assert out.dtype == tf.float32
     assert_same([out, *grads], [ref_out, *ref_grads], **F32_TOL)
@@ -234,10 +235,32 @@ def test_hand_written_gradient_only_where_a_tape_records():
     assert custom_gradient_ops(untaped.graph) == []
     taped_out, taped_grads = taped(x)
     untaped_out, untaped_grads = untaped(x)
-    np.testing.assert_array_equal(untaped_out, taped_out)
+    np.testing.assert_allclose(untaped_out, taped_out, rtol=1e-6, atol=1e-6)
     ref_out, ref_grads = forward_backward(reference, x, upstream)
     assert_same([untaped_out, *untaped_grads], [ref_out, *ref_grads], **F32_TOL)
     assert_same(taped_grads, ref_grads, **F32_TOL)
+
+
+def test_fit_takes_the_hand_written_gradient_and_evaluation_does_not(monkeypatch):
+    recorded = []
+
+    def spy(original=normalization.gradients_recorded):
+        recorded.append(original())
+        return recorded[-1]
+
+    monkeypatch.setattr(normalization, "gradients_recorded", spy)
+    inputs = keras.Input((3, FEATURES))
+    model = keras.Model(inputs, LayerNormalization(epsilon=EPSILON)(keras.layers.Dense(
+        FEATURES)(inputs)))
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    x, y = random_inputs((4, 3, FEATURES)), random_inputs((4, 3, FEATURES), seed=2)
+    recorded.clear()
+    model.fit(x, y, epochs=1, verbose=0)
+    assert recorded and all(recorded)  # the train step traces the model inside its tape
+    recorded.clear()
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    assert len(recorded) >= 2 and not any(recorded)
 
 
 # --- the layer: keras' fallback ---

@@ -319,7 +319,7 @@ def test_versions_increment_and_a_failed_export_leaves_nothing(exported, tmp_pat
     tokenizer, model, _, _ = exported
     base = tmp_path / "saved_models" / "demo"
 
-    def fake_save(module, directory, signatures=None):
+    def fake_save(module, directory, signatures=None, options=None):
         Path(directory, "saved_model.pb").write_bytes(b"stub")
 
     monkeypatch.setattr(tf.saved_model, "save", fake_save)
@@ -336,7 +336,7 @@ def test_versions_increment_and_a_failed_export_leaves_nothing(exported, tmp_pat
     (base / "12").rmdir()
     shutil.rmtree(base / "13")
 
-    def killed_save(module, directory, signatures=None):
+    def killed_save(module, directory, signatures=None, options=None):
         Path(directory, "variables").mkdir()
         raise _Interrupted
 
@@ -399,12 +399,12 @@ def test_export_holds_no_gradient_functions_and_a_load_leaves_nothing(exported):
     assert _texts(loaded.signatures["serving_default"](tf.constant(["ein hund läuft ."]))["outputs"])
     assert len(live_graphs()) > len(before)
     del loaded
-    assert len(ops._gradient_registry._registry) == registered
+    assert len(ops._gradient_registry._registry) <= registered
     known = {id(graph) for graph in before}
     assert [graph.name for graph in live_graphs() if id(graph) not in known] == []
 
 
-def _save_on_a_full_disk(module, directory, signatures=None):
+def _save_on_a_full_disk(module, directory, signatures=None, options=None):
     """`tf.saved_model.save` on a full disk, as it fails on a tmpfs: part of the variables
     written, then a ResourceExhaustedError with the errno text."""
     temporary = Path(directory, "variables", "variables_temp")
