@@ -79,17 +79,19 @@ class FusedAdam(keras.optimizers.Adam):
     TensorFlow fast path, chosen only there).
     """
 
-    def apply(self, grads, trainable_variables=None):
-        """Keras' `apply`; in a step traced by TensorFlow, the step's graph is then released
-        from TensorFlow's gradient registry (`kernels.custom_gradient.
-        release_custom_gradients`). Keras sums the gradients over replicas with
-        tf.distribute's `all_reduce`, a `tf.custom_gradient`, even on one device: without
-        this, every traced training step would stay in memory for the life of the process
-        (~190 MiB a `small` model trained and dropped: BENCHMARKS.md)."""
-        result = super().apply(grads, trainable_variables)
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        """Keras' update of all variables; in a step traced by TensorFlow, the graph it was
+        traced in is then released from TensorFlow's gradient registry
+        (`kernels.custom_gradient.release_custom_gradients`). Keras' TensorFlow optimizer
+        sums the gradients over replicas here, with tf.distribute's `all_reduce`, a
+        `tf.custom_gradient`, even on one device: without this, every traced training step
+        would stay in memory for the life of the process (~190 MiB a `small` model trained
+        and dropped: BENCHMARKS.md). Here rather than in `apply`, because Keras' own
+        `gradient_accumulation_steps` runs this inside a `tf.cond` branch, a graph of its
+        own."""
+        super()._backend_update_step(grads, trainable_variables, learning_rate)
         if keras.backend.backend() == "tensorflow":
             release_custom_gradients()
-        return result
 
     def update_step(self, gradient, variable, learning_rate):
         if keras.backend.backend() != "tensorflow":

@@ -24,8 +24,9 @@ from tensorflow.python.framework.func_graph import FuncGraph
 
 from keras_transformer.decoding.search import beam_search
 from keras_transformer.kernels.custom_gradient import custom_gradient, release_custom_gradients
-from keras_transformer.training.losses import GlobalTokenCrossEntropy
-from keras_transformer.training.optimizer import paper_adam
+from keras_transformer.model.transformer import build_transformer
+from keras_transformer.training.losses import GlobalTokenCrossEntropy, LabelSmoothedCrossEntropy
+from keras_transformer.training.optimizer import FusedAdam, paper_adam
 from keras_transformer.training.trainer_model import build_trainer
 
 X = np.array([1.0, -2.0, 0.5], np.float32)
@@ -160,12 +161,17 @@ def _live_graphs() -> list[FuncGraph]:
     return [graph for graph in gc.get_objects() if isinstance(graph, FuncGraph)]
 
 
-def _train_evaluate_decode(rng: np.random.Generator) -> None:
-    """A notebook's round: a model trained (with gradient accumulation and the train
-    command's loss), evaluated, beam-decoded, then dropped. (Over several replicas:
-    tests/cluster/test_strategy.py.)"""
-    model = build_trainer("tiny", vocab_size=40)
-    model.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
+def _train_evaluate_decode(rng: np.random.Generator, accumulation: str) -> None:
+    """A notebook's round: a model trained with gradient accumulation (ours, with the train
+    command's loss; or Keras' own, whose update runs in a `tf.cond` branch), evaluated,
+    beam-decoded, then dropped. (Over several replicas: tests/cluster/test_strategy.py.)"""
+    if accumulation == "ours":
+        model = build_trainer("tiny", vocab_size=40)
+        model.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
+    else:
+        model = build_transformer("tiny", vocab_size=40)
+        model.compile(FusedAdam(1e-3, gradient_accumulation_steps=2),
+                      loss=LabelSmoothedCrossEntropy(0.1))
     source = rng.integers(4, 40, (4, 6)).astype("int32")
     target = rng.integers(4, 40, (4, 7)).astype("int32")
     features = {"source": source, "target": target[:, :-1]}
@@ -174,13 +180,15 @@ def _train_evaluate_decode(rng: np.random.Generator) -> None:
     beam_search(model, source, beam_size=2, max_length=4)
 
 
-def test_a_model_trained_evaluated_decoded_and_dropped_leaves_no_graph_behind():
+@pytest.mark.parametrize("accumulation", ["ours", "keras"])
+def test_a_model_trained_evaluated_decoded_and_dropped_leaves_no_graph_behind(accumulation):
     rng = np.random.default_rng(0)
-    _train_evaluate_decode(rng)  # fills the process's own caches (module-level functions)
+    # fills the process's own caches (module-level functions)
+    _train_evaluate_decode(rng, accumulation)
     keras.backend.clear_session()
     before = _live_graphs()  # held: no graph of the next round can take one's id
     entries = _custom_entries()
-    _train_evaluate_decode(rng)
+    _train_evaluate_decode(rng, accumulation)
     keras.backend.clear_session()
     kept = {id(graph) for graph in before}
     assert [graph.name for graph in _live_graphs() if id(graph) not in kept] == []
