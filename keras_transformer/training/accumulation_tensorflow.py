@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_transformer.kernels.custom_gradient import release_custom_gradients
 from keras_transformer.training.accumulation import check_accumulation
 from keras_transformer.training.losses_tensorflow import sum_over_replicas
 
@@ -92,6 +93,10 @@ class GradientAccumulator:
         inverse = 1.0 / tf.maximum(tokens, 1.0)
         optimizer.apply([None if index in self._without_gradient else g.value * inverse
                          for index, g in enumerate(self.gradients)], self.variables)
+        # Keras' optimizers sum the gradients with tf.distribute's all-reduce, whose
+        # registered gradient would keep this graph alive for good (FusedAdam releases its
+        # own; Keras' optimizers do not): `kernels.custom_gradient`.
+        release_custom_gradients()
         self._clear()
 
     def make_train_function(self, model: keras.Model, micro_function):

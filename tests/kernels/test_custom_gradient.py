@@ -163,11 +163,13 @@ def _live_graphs() -> list[FuncGraph]:
 
 def _train_evaluate_decode(rng: np.random.Generator, accumulation: str) -> None:
     """A notebook's round: a model trained with gradient accumulation (ours, with the train
-    command's loss; or Keras' own, whose update runs in a `tf.cond` branch), evaluated,
-    beam-decoded, then dropped. (Over several replicas: tests/cluster/test_strategy.py.)"""
-    if accumulation == "ours":
+    command's loss and the paper's Adam or Keras' SGD; or Keras' own, whose update runs in a
+    `tf.cond` branch), evaluated, beam-decoded, then dropped. (Over several replicas:
+    tests/cluster/test_strategy.py.)"""
+    if accumulation.startswith("ours"):
         model = build_trainer("tiny", vocab_size=40)
-        model.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
+        optimizer = paper_adam(32, 10) if accumulation == "ours" else keras.optimizers.SGD(0.1)
+        model.compile(optimizer, loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
     else:
         model = build_transformer("tiny", vocab_size=40)
         model.compile(FusedAdam(1e-3, gradient_accumulation_steps=2),
@@ -180,7 +182,7 @@ def _train_evaluate_decode(rng: np.random.Generator, accumulation: str) -> None:
     beam_search(model, source, beam_size=2, max_length=4)
 
 
-@pytest.mark.parametrize("accumulation", ["ours", "keras"])
+@pytest.mark.parametrize("accumulation", ["ours", "ours_keras_sgd", "keras"])
 def test_a_model_trained_evaluated_decoded_and_dropped_leaves_no_graph_behind(accumulation):
     rng = np.random.default_rng(0)
     # fills the process's own caches (module-level functions)
