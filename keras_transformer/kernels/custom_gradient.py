@@ -28,8 +28,8 @@ copy with the original's tensors.
 `release_custom_gradients` does the same at the end of a trace, for the custom gradients of
 TensorFlow's own code in the graph: tf.distribute's `all_reduce` is one, and Keras' optimizers
 call it on the gradients of every traced training step, even on one device. `FusedAdam` (the
-paper's Adam, `paper_adam`: after Keras' update step) and `losses_tensorflow.sum_over_replicas`
-call it. With an
+paper's Adam, `paper_adam`: after Keras' update step), the gradient accumulation's update
+(after any optimizer's) and `losses_tensorflow.sum_over_replicas` call it. Otherwise, with an
 optimizer of Keras' own (`"adam"`), Keras' all-reduce still keeps each traced training step
 alive.
 

@@ -88,7 +88,8 @@ class FusedAdam(keras.optimizers.Adam):
         would stay in memory for the life of the process (~190 MiB a `small` model trained
         and dropped: BENCHMARKS.md). Here rather than in `apply`, because Keras' own
         `gradient_accumulation_steps` runs this inside a `tf.cond` branch, a graph of its
-        own."""
+        own. A Keras-private method (Keras 3.15): if Keras stops calling it, the graphs stay
+        and tests/kernels/test_custom_gradient.py fails."""
         super()._backend_update_step(grads, trainable_variables, learning_rate)
         if keras.backend.backend() == "tensorflow":
             release_custom_gradients()
