@@ -156,7 +156,9 @@ def test_release_custom_gradients_frees_a_graph_of_tensorflows_own_custom_gradie
     assert graph() is None
 
 
-def _live_graphs() -> list[FuncGraph]:
+def live_graphs() -> list[FuncGraph]:
+    """The TensorFlow graphs alive after a garbage collection (shared with the serving
+    tests)."""
     gc.collect()
     return [graph for graph in gc.get_objects() if isinstance(graph, FuncGraph)]
 
@@ -188,10 +190,10 @@ def test_a_model_trained_evaluated_decoded_and_dropped_leaves_no_graph_behind(ac
     # fills the process's own caches (module-level functions)
     _train_evaluate_decode(rng, accumulation)
     keras.backend.clear_session()
-    before = _live_graphs()  # held: no graph of the next round can take one's id
+    before = live_graphs()  # held: no graph of the next round can take one's id
     entries = _custom_entries()
     _train_evaluate_decode(rng, accumulation)
     keras.backend.clear_session()
     kept = {id(graph) for graph in before}
-    assert [graph.name for graph in _live_graphs() if id(graph) not in kept] == []
+    assert [graph.name for graph in live_graphs() if id(graph) not in kept] == []
     assert _custom_entries() <= entries

@@ -354,18 +354,28 @@ def test_versions_increment_and_a_failed_export_leaves_nothing(exported, tmp_pat
     assert not [p for p in base.iterdir() if p.name.startswith(".")]
 
 
+def _graph_defs(path) -> list:
+    """The GraphDefs of the SavedModel in the version folder `path`."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
+    return [meta_graph.graph_def for meta_graph in saved_model.meta_graphs]
+
+
+def _function_nodes(graphs) -> list:
+    """The NodeDefs of every function in the graphs' libraries (the signatures' bodies)."""
+    return [node for graph in graphs for function in graph.library.function
+            for node in function.node_def]
+
+
 def test_export_contains_only_standard_ops(exported):
     """The fused training kernels (custom ops, `Kt*`) never reach a SavedModel: TF Serving
     could not run them."""
-    from tensorflow.core.protobuf import saved_model_pb2
-
     _, _, path, _ = exported
-    saved_model = saved_model_pb2.SavedModel()
-    saved_model.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
-    graphs = [meta_graph.graph_def for meta_graph in saved_model.meta_graphs]
+    graphs = _graph_defs(path)
     op_types = {node.op for graph in graphs for node in graph.node}
-    op_types |= {node.op for graph in graphs for function in graph.library.function
-                 for node in function.node_def}
+    op_types |= {node.op for node in _function_nodes(graphs)}
     assert "MatMul" in op_types or "BatchMatMulV2" in op_types
     assert not {op for op in op_types if op.startswith("Kt")}
 
@@ -374,24 +384,16 @@ def test_export_holds_no_gradient_functions_and_a_load_leaves_nothing(exported):
     """An inference export computes no custom gradients, so it saves none: each
     `tf.saved_model.load` of a SavedModel that holds some registers them in TensorFlow's
     gradient registry for the life of the process, with the loaded graphs they hold."""
-    import gc
+    from tensorflow.python.framework import ops
 
-    from tensorflow.core.protobuf import saved_model_pb2
-    from tensorflow.python.framework import func_graph, ops
+    from tests.kernels.test_custom_gradient import live_graphs
 
     _, _, path, _ = exported
-    saved_model = saved_model_pb2.SavedModel()
-    saved_model.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
-    graphs = [meta_graph.graph_def for meta_graph in saved_model.meta_graphs]
+    graphs = _graph_defs(path)
     assert not [gradient for graph in graphs for gradient in graph.library.registered_gradients]
-    nodes = [node for graph in graphs for function in graph.library.function
-             for node in function.node_def]
+    nodes = _function_nodes(graphs)
     assert len(nodes) > 1000
     assert not [node.name for node in nodes if "_gradient_op_type" in node.attr]
-
-    def live_graphs():
-        gc.collect()
-        return [item for item in gc.get_objects() if isinstance(item, func_graph.FuncGraph)]
 
     before = live_graphs()  # held, so that no new graph can take a collected one's id
     registered = len(ops._gradient_registry._registry)
