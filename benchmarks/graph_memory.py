@@ -12,6 +12,7 @@ process's resident memory. With nothing kept, every count is flat after the firs
 
     python benchmarks/graph_memory.py                       # small, the paper's Adam
     python benchmarks/graph_memory.py --optimizer adam      # Keras' own Adam
+    python benchmarks/graph_memory.py --optimizer adam --model trainer  # kt.build_trainer's
     python benchmarks/graph_memory.py --saved-model         # and an export, loaded
 """
 
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--optimizer", choices=("paper", "adam"), default="paper",
                         help="paper: kt.paper_adam (FusedAdam); adam: Keras' own Adam")
+    parser.add_argument("--model", choices=("transformer", "trainer"), default="transformer",
+                        help="transformer: kt.build_transformer; trainer: kt.build_trainer "
+                             "(a TransformerTrainer, the train command's model)")
     parser.add_argument("--saved-model", action="store_true",
                         help="also export each model, load the export and translate with it")
     args = parser.parse_args(argv)
@@ -64,7 +68,8 @@ def _round(args, round_index: int, rng, tokenizer, scratch: Path) -> None:
     import keras_transformer as kt
     from keras_transformer.decoding.search import beam_search
 
-    model = kt.build_transformer(args.preset, vocab_size=args.vocab)
+    build = kt.build_trainer if args.model == "trainer" else kt.build_transformer
+    model = build(args.preset, vocab_size=args.vocab)
     optimizer = (kt.paper_adam(model.config.d_model, 100) if args.optimizer == "paper"
                  else "adam")
     model.compile(optimizer=optimizer, loss=kt.LabelSmoothedCrossEntropy(0.1))
@@ -84,6 +89,7 @@ def _round(args, round_index: int, rng, tokenizer, scratch: Path) -> None:
                if name.startswith("CustomGradient")]
     print(json.dumps({
         "round": round_index + 1, "preset": args.preset, "optimizer": args.optimizer,
+        "model": args.model,
         "saved_model": args.saved_model,
         "graphs_alive": len(graphs),
         "graph_operations": sum(len(graph.get_operations()) for graph in graphs),

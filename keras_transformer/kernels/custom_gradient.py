@@ -28,10 +28,11 @@ copy with the original's tensors.
 `release_custom_gradients` does the same at the end of a trace, for the custom gradients of
 TensorFlow's own code in the graph: tf.distribute's `all_reduce` is one, and Keras' optimizers
 call it on the gradients of every traced training step, even on one device. `FusedAdam` (the
-paper's Adam, `paper_adam`: after Keras' update step), the gradient accumulation's update
-(after any optimizer's) and `losses_tensorflow.sum_over_replicas` call it. Otherwise, with an
-optimizer of Keras' own (`"adam"`), Keras' all-reduce still keeps each traced training step
-alive.
+paper's Adam, `paper_adam`: after Keras' update step), `TransformerTrainer.train_step` (after
+Keras' step, whatever the optimizer), the loss scaling's update (in its `tf.cond` branch), the
+gradient accumulation's update (after any optimizer's) and
+`losses_tensorflow.sum_over_replicas` call it. A plain `Transformer` compiled with an optimizer
+of Keras' own (`"adam"`) still has each traced training step kept alive by Keras' all-reduce.
 
 `gradients_recorded` says whether a gradient tape could record what is computed now, so that
 a hand-written gradient (a speed-up of the backward pass only) is left out where no tape

@@ -30,6 +30,8 @@ import keras
 from keras import ops
 from keras.src.utils import tracking
 
+from keras_transformer.kernels.custom_gradient import release_custom_gradients
+
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
@@ -55,6 +57,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shape=(), dtype="int", initializer="zeros", aggregation="only_first_replica",
             name="skipped_updates")
         super().build(var_list)
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        """Keras' unscaled update by the inner optimizer. Under TensorFlow it runs in a
+        `tf.cond` branch, a graph of its own, which the inner optimizer's all-reduce would
+        keep alive for good: released here (`kernels.custom_gradient`), where it is traced."""
+        super()._stateful_handle_finite_grads(grads, trainable_variables)
+        if keras.backend.backend() == "tensorflow":
+            release_custom_gradients()
 
     def _stateful_handle_non_finite_grads(self):
         super()._stateful_handle_non_finite_grads()

@@ -23,6 +23,7 @@ from typing import Any
 
 import keras
 
+from keras_transformer.kernels.custom_gradient import release_custom_gradients
 from keras_transformer.model.config import transformer_config
 from keras_transformer.model.transformer import Transformer
 from keras_transformer.training.loss_scaling import LossScaleOptimizer
@@ -113,6 +114,19 @@ class TransformerTrainer(Transformer):
             kwargs.setdefault("shuffle", False)
         with _float16_on_this_cpu(self):
             return super().fit(*args, **kwargs)
+
+    def train_step(self, *args, **kwargs):
+        """Keras' own train step. Under TensorFlow, the graph it is traced in is then
+        released from TensorFlow's gradient registry
+        (`kernels.custom_gradient.release_custom_gradients`): every Keras optimizer sums the
+        gradients with tf.distribute's all-reduce, a `tf.custom_gradient` that TensorFlow
+        registers for good, so without this each traced step, and the model it holds, would
+        stay in memory for the life of the process whatever the optimizer (~200 MiB a `small`
+        model trained and dropped with Keras' `"adam"`: BENCHMARKS.md)."""
+        logs = super().train_step(*args, **kwargs)
+        if keras.backend.backend() == "tensorflow":
+            release_custom_gradients()
+        return logs
 
     # Under mixed_float16 on a CPU that sends float16 to oneDNN, each of Keras' other entry
     # points also runs with the remapper off, as `fit` does (`--recipe auto` times its

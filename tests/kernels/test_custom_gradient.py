@@ -164,14 +164,20 @@ def live_graphs() -> list[FuncGraph]:
 
 
 def _train_evaluate_decode(rng: np.random.Generator, accumulation: str) -> None:
-    """A notebook's round: a model trained with gradient accumulation (ours, with the train
-    command's loss and the paper's Adam or Keras' SGD; or Keras' own, whose update runs in a
-    `tf.cond` branch), evaluated, beam-decoded, then dropped. (Over several replicas:
+    """A notebook's round: a model trained, evaluated, beam-decoded, then dropped. Trained
+    with gradient accumulation (ours, with the train command's loss and the paper's Adam or
+    Keras' SGD; or Keras' own, whose update runs in a `tf.cond` branch), or without, by a
+    `TransformerTrainer` with Keras' own Adam (in float32; in mixed_float16, where the loss
+    scaling applies the update in a `tf.cond` branch). (Over several replicas:
     tests/cluster/test_strategy.py.)"""
     if accumulation.startswith("ours"):
         model = build_trainer("tiny", vocab_size=40)
         optimizer = paper_adam(32, 10) if accumulation == "ours" else keras.optimizers.SGD(0.1)
         model.compile(optimizer, loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
+    elif accumulation.startswith("none_keras_adam"):
+        dtype = "mixed_float16" if accumulation.endswith("float16") else None
+        model = build_trainer("tiny", vocab_size=40, dtype=dtype)
+        model.compile("adam", loss=GlobalTokenCrossEntropy(0.1))
     else:
         model = build_transformer("tiny", vocab_size=40)
         model.compile(FusedAdam(1e-3, gradient_accumulation_steps=2),
@@ -184,7 +190,8 @@ def _train_evaluate_decode(rng: np.random.Generator, accumulation: str) -> None:
     beam_search(model, source, beam_size=2, max_length=4)
 
 
-@pytest.mark.parametrize("accumulation", ["ours", "ours_keras_sgd", "keras"])
+@pytest.mark.parametrize("accumulation", ["ours", "ours_keras_sgd", "keras", "none_keras_adam",
+                                          "none_keras_adam_float16"])
 def test_a_model_trained_evaluated_decoded_and_dropped_leaves_no_graph_behind(accumulation):
     rng = np.random.default_rng(0)
     # fills the process's own caches (module-level functions)
