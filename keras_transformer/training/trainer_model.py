@@ -121,8 +121,10 @@ class TransformerTrainer(Transformer):
         (`kernels.custom_gradient.release_custom_gradients`): every Keras optimizer sums the
         gradients with tf.distribute's all-reduce, a `tf.custom_gradient` that TensorFlow
         registers for good, so without this each traced step, and the model it holds, would
-        stay in memory for the life of the process whatever the optimizer (~200 MiB a `small`
-        model trained and dropped with Keras' `"adam"`: BENCHMARKS.md)."""
+        stay in memory for the life of the process whatever the optimizer (~120 MiB a `small`
+        model trained and dropped with Keras' `"adam"`: BENCHMARKS.md). Not covered: Keras' own
+        `keras.optimizers.LossScaleOptimizer` passed explicitly (this project's, which
+        `compile` chooses under mixed_float16, releases its update branch itself)."""
         logs = super().train_step(*args, **kwargs)
         if keras.backend.backend() == "tensorflow":
             release_custom_gradients()
