@@ -60,15 +60,32 @@ def _token_bias(biases, log_probs, index, min_length):
     return tf.gather(biases, tf.cast(index + 1 >= min_length, tf.int32))[None, :]
 
 
-def _force_prefix(log_probs, prefix, index):
+def _prefix_steps(prefix):
+    """The steps that force a token: the longest real prefix of `prefix` (batch, P), int32
+    scalar (0 for an all-PAD prefix: a search given no prefix at all)."""
+    return tf.reduce_max(tf.concat([
+        tf.reduce_sum(tf.cast(prefix != PAD_ID, tf.int32), axis=1), [0]], 0))
+
+
+def _force_prefix(log_probs, prefix, index, prefix_steps, repeats=1):
     """`log_probs` (rows, vocab) with every token but the prefix's forbidden on the rows whose
-    forced prefix (rows, P) int32, 0-padded, P >= 1, reaches step `index`. The prefix token
-    keeps its own log-probability: forcing it costs the hypothesis exactly that much."""
-    width = tf.shape(prefix)[1]
-    column = tf.gather(prefix, tf.minimum(index, width - 1), axis=1)
-    forced = tf.where(index < width, column, PAD_ID)[:, None]
-    allowed = (forced == PAD_ID) | (tf.range(tf.shape(log_probs)[-1])[None, :] == forced)
-    return tf.where(allowed, log_probs, NEG_INF)
+    forced prefix (rows / repeats, P) int32, 0-padded, P >= 1, reaches step `index` (each
+    prefix row serves `repeats` consecutive rows: a sentence's beams). The prefix token keeps
+    its own log-probability: forcing it costs the hypothesis exactly that much.
+
+    Past `prefix_steps` (`_prefix_steps`) no row is forced and the step skips the masking, so
+    a search given an all-PAD prefix (the SavedModel's shared searches, when a request has
+    none) costs what a search without a prefix costs, and gives the same tokens.
+    """
+    def force():
+        rows = prefix if isinstance(repeats, int) and repeats == 1 else tf.repeat(
+            prefix, repeats, axis=0)
+        width = tf.shape(rows)[1]
+        column = tf.gather(rows, tf.minimum(index, width - 1), axis=1)
+        forced = tf.where(index < width, column, PAD_ID)[:, None]
+        allowed = (forced == PAD_ID) | (tf.range(tf.shape(log_probs)[-1])[None, :] == forced)
+        return tf.where(allowed, log_probs, NEG_INF)
+    return tf.cond(index < prefix_steps, force, lambda: log_probs)
 
 
 def _limits(source_ids, extra_length, max_length, force_length, prefix=None):
@@ -230,13 +247,14 @@ def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_l
 
     vocab_size = stepper.vocab_size
     biases = None if vocab_size is None else _token_biases(vocab_size)
+    prefix_steps = None if prefix is None else _prefix_steps(prefix)
 
     def step(index, rows, state):
         sentences, active, sequences, scores, sentence_limits, *extras = rows
         log_probs, state = stepper(sequences, index, state)
         log_probs += _token_bias(biases, log_probs, index, min_length)
         if prefix is not None:
-            log_probs = _force_prefix(log_probs, extras[0], index)
+            log_probs = _force_prefix(log_probs, extras[0], index, prefix_steps)
         if sampling is None:
             chosen = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
         else:
@@ -273,6 +291,9 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
     the limit). A stopped sentence's pool goes to the output and the sentence leaves the
     batch: later steps compute only the sentences still searching (as CTranslate2 does).
 
+    `num_return` is an int, None (all beam_size) or a scalar int32 tensor in [1, beam_size]
+    (the SavedModel's one beam search serves 1-best and n-best signatures alike).
+
     Returns:
         ids (batch, num_return, T) int32 and length-penalized scores (batch, num_return).
     """
@@ -285,6 +306,7 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
 
     vocab_size = stepper.vocab_size
     biases = None if vocab_size is None else _token_biases(vocab_size)
+    prefix_steps = None if prefix is None else _prefix_steps(prefix)
     # The length penalty of a hypothesis ending at each step (index + 1 tokens).
     penalties = length_penalty(tf.range(1, steps + 1), alpha)
 
@@ -297,7 +319,7 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
         vocab = tf.shape(log_probs)[-1]
         log_probs += _token_bias(biases, log_probs, index, min_length)
         if prefix is not None:
-            log_probs = _force_prefix(log_probs, tf.repeat(extras[0], beams, axis=0), index)
+            log_probs = _force_prefix(log_probs, extras[0], index, prefix_steps, beams)
         candidates = alive_log_probs[:, :, None] + tf.reshape(log_probs, [count, beams, vocab])
         top_log_probs, top_ids = tf.math.top_k(
             tf.reshape(candidates, [count, beams * vocab]), k=2 * beams)
@@ -329,7 +351,8 @@ def beam_loop(model, source_ids, beam_size, alpha, extra_length, max_length, min
 
         last = (beams if num_return is None else num_return) - 1
         best_alive_bound = alive_log_probs[:, 0] / max_penalty
-        settled = finished_flags[:, last] & (finished_scores[:, last] > best_alive_bound)
+        settled = (tf.gather(finished_flags, last, axis=1)
+                   & (tf.gather(finished_scores, last, axis=1) > best_alive_bound))
         stops = active & (at_limit | settled)
         rows = (sentences, active & tf.logical_not(stops), alive_seq, alive_log_probs,
                 finished_seq, finished_scores, finished_flags, sentence_limits, max_penalty,

@@ -165,7 +165,11 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling, compiled: bool = Fals
                          lambda: log_probs, tempered)
     # Either way logits <= 0 with the best near 0: exp needs no softmax's max and sum
     # (the inverse transforms take unnormalized masses).
+    # top_k 1 draws the best token, as its argmax (ties to the lower id, as `tf.math.top_k`)
+    # does without a draw: greedy search, which the SavedModel runs as sampling with top_k 1.
     if sampling.static:
+        if sampling.top_k == 1:
+            return tf.argmax(logits, axis=-1, output_type=tf.int32)
         if sampling.top_k > 0:
             return _top_k_choice(logits, uniforms, sampling.top_k, sampling.top_p, compiled)
         if sampling.top_p < 1.0:
@@ -173,9 +177,11 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling, compiled: bool = Fals
         return _vocabulary_choice(tf.exp(logits), uniforms, logits)
     top_k, top_p = tf.cast(sampling.top_k, tf.int32), tf.cast(sampling.top_p, tf.float32)
     return tf.cond(
-        top_k > 0, lambda: _top_k_choice(logits, uniforms, top_k, top_p, compiled),
-        lambda: tf.cond(top_p < 1.0, lambda: _nucleus_choice(logits, uniforms, top_p),
-                        lambda: _vocabulary_choice(tf.exp(logits), uniforms, logits)))
+        tf.equal(top_k, 1), lambda: tf.argmax(logits, axis=-1, output_type=tf.int32),
+        lambda: tf.cond(
+            top_k > 0, lambda: _top_k_choice(logits, uniforms, top_k, top_p, compiled),
+            lambda: tf.cond(top_p < 1.0, lambda: _nucleus_choice(logits, uniforms, top_p),
+                            lambda: _vocabulary_choice(tf.exp(logits), uniforms, logits))))
 
 
 def _top_k_choice(logits, uniforms, top_k, top_p, compiled):

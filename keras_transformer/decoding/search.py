@@ -218,17 +218,19 @@ def beam_search(
         extra_length, max_length, min_length, force_length, use_cache, jit_compile,
             prefix_ids: as in `greedy_search`.
         num_return: hypotheses returned per sentence, best first (<= beam_size); None for all
-            beam_size of them.
+            beam_size of them. Inside a `tf.function` it may be a scalar int32 tensor in
+            [1, beam_size] (outputs then keep their num_return axis, even for 1).
 
     Returns:
-        num_return == 1: (ids int32 (batch, T), scores float32 (batch,));
+        num_return == 1 (an int): (ids int32 (batch, T), scores float32 (batch,));
         otherwise (ids (batch, num_return, T), scores (batch, num_return)), best first.
         Ids end with EOS unless cut by the length limit, then 0-padded; scores are
         log-prob / length penalty.
     """
-    if num_return is not None and num_return < 1:
+    fixed_return = num_return is None or isinstance(num_return, int)
+    if fixed_return and num_return is not None and num_return < 1:
         raise ValueError(f"num_return must be >= 1, got {num_return}.")
-    if isinstance(beam_size, int) and num_return is not None and num_return > beam_size:
+    if isinstance(beam_size, int) and isinstance(num_return, int) and num_return > beam_size:
         raise ValueError(f"num_return={num_return} exceeds beam_size={beam_size}.")
     if isinstance(alpha, (int, float)) and alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}.")
@@ -237,6 +239,8 @@ def beam_search(
     beam_size = tf.cast(beam_size, tf.int32)
     alpha = tf.cast(alpha, tf.float32)
     prefix = _prepare_prefix(prefix_ids)
+    if not fixed_return and not tf.inside_function():
+        raise ValueError("num_return may be a tensor only inside a tf.function.")
     if tf.inside_function():
         ids, scores = beam_loop(model, source_ids, beam_size, alpha, num_return=num_return,
                                 use_cache=use_cache, jit_compile=jit_compile, prefix=prefix,
@@ -258,7 +262,7 @@ def beam_search(
         search = compiled_per_model(model, key, build)
         ids, scores = search(source_ids, beam_size, alpha, *options.values(),
                              *(() if prefix is None else (prefix,)))
-    if num_return == 1:
+    if isinstance(num_return, int) and num_return == 1:
         return ids[:, 0], scores[:, 0]
     return ids, scores
 

@@ -60,6 +60,10 @@ _TEMPERATURE = tf.TensorSpec([], tf.float32, name="temperature")
 _BEAM = tf.TensorSpec([], tf.int32, name="beam_size")
 _ALPHA = tf.TensorSpec([], tf.float32, name="alpha")
 _SOURCE = tf.TensorSpec([None, None], tf.int32, name="source_ids")
+_PREFIX_IDS = tf.TensorSpec([None, None], tf.int32, name="prefix_ids")
+_NUM_RETURN = tf.TensorSpec([], tf.int32, name="num_return")
+_TARGET_IDS = tf.TensorSpec([None, None], tf.int32, name="target_ids")
+_SEEDS = tf.TensorSpec([None], tf.uint32, name="seeds")
 
 
 def clip_beam_and_alpha(beam_size, alpha):
@@ -146,46 +150,71 @@ class DetailedSignatures:
 
     # --- shared ---
 
-    # The searches that several signatures run alike (plain greedy: translate,
-    # translate_nbest, translate_details; every beam: translate_nbest, translate_details) are
-    # functions of their own, which each of those signatures calls: traced once per export,
-    # not once per signature (tracing is most of an export's time), and stored once.
+    # The searches that several signatures run alike are functions of their own, which each
+    # of those signatures calls: traced once per export, not once per signature (tracing is
+    # most of an export's time), and stored once: one greedy search (translate,
+    # translate_nbest, translate_details, translate_prefix at beam size 1, and sample: greedy
+    # search is sampling with top_k 1), one beam search (the same four signatures; 1-best or
+    # all beam_size hypotheses) and one forced pass (translate_details, score). The searches
+    # take a forced prefix, all PAD when a request has none (a search then skips the
+    # prefix's masking: the same tokens, the same cost).
 
-    @tf.function(input_signature=[_SOURCE], autograph=False)
-    def _greedy_search(self, source_ids):
-        """greedy_search of a 0-padded chunk (n, S): ids (n, T), summed log-probs (n,)."""
+    @tf.function(input_signature=[_SOURCE, _PREFIX_IDS, _SEEDS, _TOP_K, _TOP_P, _TEMPERATURE],
+                 autograph=False)
+    def _greedy_search(self, source_ids, prefix_ids, seeds, top_k, top_p, temperature):
+        """greedy_search (top_k 1) or sampling of a 0-padded chunk (n, S) with forced prefixes
+        (n, P) (0-padded; all PAD: none) and per-sentence seeds (n,) uint32: ids (n, T),
+        summed log-probs (n,). `decoding.sampling.choose_tokens` takes the argmax at top_k 1,
+        so greedy search is sampling with top_k 1, the same tokens as without sampling."""
+        sampling = Sampling(top_k=top_k, top_p=top_p, temperature=temperature,
+                            seed=tf.constant(0, tf.int64))
         return greedy_search(self.model, source_ids, extra_length=self.max_extra_length,
-                             max_length=self.max_output_tokens, jit_compile=self.jit_compile)
+                             max_length=self.max_output_tokens, jit_compile=self.jit_compile,
+                             prefix_ids=prefix_ids, sampling=sampling, seeds=seeds)
 
-    @tf.function(input_signature=[_SOURCE, _BEAM, _ALPHA], autograph=False)
-    def _beam_search(self, source_ids, beam_size, alpha):
-        """beam_search of a 0-padded chunk (n, S) returning all beam_size hypotheses: ids
-        (n, beam_size, T) and length-penalized scores (n, beam_size), best first."""
+    @tf.function(input_signature=[_SOURCE, _BEAM, _ALPHA, _PREFIX_IDS, _NUM_RETURN],
+                 autograph=False)
+    def _beam_search(self, source_ids, beam_size, alpha, prefix_ids, num_return):
+        """beam_search of a 0-padded chunk (n, S) with forced prefixes (n, P) (all PAD: none)
+        returning the num_return (in [1, beam_size]) best hypotheses: ids (n, num_return, T)
+        and length-penalized scores (n, num_return), best first."""
         return beam_search(self.model, source_ids, beam_size=beam_size, alpha=alpha,
                            extra_length=self.max_extra_length,
-                           max_length=self.max_output_tokens, num_return=None,
-                           jit_compile=self.jit_compile)
+                           max_length=self.max_output_tokens, num_return=num_return,
+                           jit_compile=self.jit_compile, prefix_ids=prefix_ids)
+
+    @tf.function(input_signature=[_SOURCE, _TARGET_IDS], autograph=False)
+    def _forced_pass(self, source_ids, target_ids):
+        """forced_pass of sources (n, S) and target ids (n, T) (EOS included, 0-padded):
+        token log-probs (n, T) and the alignment layer's attention (n, T, S)."""
+        model = getattr(self.model, "model", self.model)  # the Transformer of an InferenceModel
+        layer = self.alignment_layer % len(model.decoder_layers)
+        return forced_pass(model, source_ids, target_ids, layer)
+
+    @staticmethod
+    def _no_prefix(source):
+        """The prefix (n, 1) of a search that forces none: all PAD."""
+        return tf.zeros([tf.shape(source)[0], 1], tf.int32)
 
     def _greedy_ids(self, source, prefix=None, sampling=None, seeds=None):
-        if prefix is None and sampling is None:
-            ids, log_probs = self._greedy_search(source)
+        """ids (n, 1, T) and summed log-probs (n, 1) of greedy search, or of `sampling` with
+        `seeds` (n,)."""
+        prefix = self._no_prefix(source) if prefix is None else prefix
+        if sampling is None:
+            ids, log_probs = self._greedy_search(
+                source, prefix, tf.zeros([tf.shape(source)[0]], tf.uint32), tf.constant(1),
+                tf.constant(1.0), tf.constant(1.0))
         else:
-            ids, log_probs = greedy_search(
-                self.model, source, extra_length=self.max_extra_length,
-                max_length=self.max_output_tokens, jit_compile=self.jit_compile,
-                prefix_ids=prefix, sampling=sampling, seeds=seeds)
+            ids, log_probs = self._greedy_search(source, prefix, seeds, sampling.top_k,
+                                                 sampling.top_p, sampling.temperature)
         return ids[:, None, :], log_probs[:, None]
 
     def _beam_ids(self, source, beam_size, alpha, num_return=None, prefix=None):
-        if num_return is None and prefix is None:
-            ids, scores = self._beam_search(source, beam_size, alpha)
-        else:
-            ids, scores = beam_search(
-                self.model, source, beam_size=beam_size, alpha=alpha,
-                extra_length=self.max_extra_length, max_length=self.max_output_tokens,
-                num_return=num_return, jit_compile=self.jit_compile, prefix_ids=prefix)
-        if num_return == 1:
-            ids, scores = ids[:, None, :], scores[:, None]
+        """ids (n, K, T) and summed log-probs (n, K), best first; K = num_return (default
+        beam_size)."""
+        ids, scores = self._beam_search(
+            source, beam_size, alpha, self._no_prefix(source) if prefix is None else prefix,
+            beam_size if num_return is None else tf.constant(num_return, tf.int32))
         lengths = tf.reduce_sum(tf.cast(ids != PAD_ID, tf.int32), axis=-1)
         return ids, scores * length_penalty(lengths, alpha)
 
@@ -207,9 +236,6 @@ class DetailedSignatures:
         sources = encode_texts(self.tokenizer, texts, self.max_input_tokens)
         order = tf.argsort(sources.row_lengths(), stable=True)
         length = self.max_output_tokens if max_length is None else max_length
-        model = getattr(self.model, "model", self.model)  # the Transformer of an InferenceModel
-        layer = self.alignment_layer % len(model.decoder_layers)
-
         def compute(rows):
             source = tf.gather(sources, rows).to_tensor()
             ids, log_probs = search(source, rows)
@@ -219,8 +245,8 @@ class DetailedSignatures:
                 self.tokenizer.detokenize(flat), "UTF-8", "UTF-8", errors="replace"),
                 [count, hypotheses])]
             if details:
-                token_log_probs, attention = forced_pass(
-                    model, tf.repeat(source, hypotheses, axis=0), flat, layer)
+                token_log_probs, attention = self._forced_pass(
+                    tf.repeat(source, hypotheses, axis=0), flat)
                 alignments = word_alignments(self.tokenizer, attention,
                                              tf.repeat(source, hypotheses, axis=0), flat,
                                              DEFAULT_SHIFT, DEFAULT_TENSION)

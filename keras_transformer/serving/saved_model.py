@@ -56,7 +56,6 @@ from keras_transformer.decoding.search import (
     DEFAULT_BEAM_SIZE,
     DEFAULT_EXTRA_LENGTH,
     DEFAULT_MAX_INPUT_TOKENS,
-    beam_search,
     encode_texts,
     length_penalty,
 )
@@ -186,22 +185,18 @@ class TranslationModule(DetailedSignatures, tf.Module):
 
 
     def _beam(self, source_ids, beam_size, alpha, nbest: bool):
-        """ids (n, k, T) and length-penalized scores (n, k); k = beam_size if nbest else 1."""
-        if nbest:  # the search of translate_details too (`DetailedSignatures._beam_search`)
-            return self._beam_search(source_ids, beam_size, alpha)
-        ids, scores = beam_search(
-            self.model, source_ids, beam_size=beam_size, alpha=alpha,
-            extra_length=self.max_extra_length, max_length=self.max_output_tokens,
-            num_return=1, jit_compile=self.jit_compile)
-        return ids[:, None, :], scores[:, None]
+        """ids (n, k, T) and length-penalized scores (n, k); k = beam_size if nbest else 1:
+        the search every beam signature shares (`DetailedSignatures._beam_search`)."""
+        return self._beam_search(source_ids, beam_size, alpha, self._no_prefix(source_ids),
+                                 beam_size if nbest else tf.constant(1))
 
     def _greedy(self, source_ids, alpha):
         """Beam size 1 is greedy decoding (as in `translate_texts`; a one-beam search also
         weighs finished runner-up hypotheses, for a few % more time): ids (n, 1, T) and
         scores (n, 1), penalized as beam search's."""
-        ids, scores = self._greedy_search(source_ids)  # shared (`DetailedSignatures`)
-        lengths = tf.reduce_sum(tf.cast(ids != PAD_ID, tf.int32), axis=1)
-        return ids[:, None, :], (scores / length_penalty(lengths, alpha))[:, None]
+        ids, scores = self._greedy_ids(source_ids)  # shared (`DetailedSignatures`)
+        lengths = tf.reduce_sum(tf.cast(ids != PAD_ID, tf.int32), axis=-1)
+        return ids, scores / length_penalty(lengths, alpha)
 
 
 def serving_model(model):

@@ -150,6 +150,35 @@ def test_beam_size_one_equals_greedy(model, sources):
     np.testing.assert_allclose(scores.numpy(), greedy_scores.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_all_pad_prefix_and_a_tensor_num_return_search_as_without_them(model, sources,
+                                                                         jit_compile):
+    """What the SavedModel's shared searches rely on (`serving.detailed_signatures`): a
+    request without a prefix is searched with an all-PAD one, and one beam search returns
+    1 or beam_size hypotheses by a num_return tensor."""
+    no_prefix = np.zeros((len(sources), 1), np.int32)
+    options = {"extra_length": 6, "jit_compile": jit_compile}
+    ids, scores = greedy_search(model, sources, **options)
+    padded_ids, padded_scores = greedy_search(model, sources, prefix_ids=no_prefix, **options)
+    np.testing.assert_array_equal(padded_ids.numpy(), ids.numpy())
+    np.testing.assert_allclose(padded_scores.numpy(), scores.numpy(), rtol=1e-6)
+
+    @tf.function(autograph=False)
+    def shared(num_return):
+        return beam_search(model, sources, beam_size=3, num_return=num_return,
+                           prefix_ids=no_prefix, **options)
+
+    for num_return in (1, 3):
+        ids, scores = beam_search(model, sources, beam_size=3, num_return=num_return,
+                                  **options)
+        if num_return == 1:
+            ids, scores = ids[:, None], scores[:, None]
+        shared_ids, shared_scores = shared(tf.constant(num_return))
+        assert shared_ids.shape[1] == num_return
+        np.testing.assert_array_equal(shared_ids.numpy(), ids.numpy())
+        np.testing.assert_allclose(shared_scores.numpy(), scores.numpy(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_batch_results_equal_one_by_one(model, sources, search):
     def run(batch):
@@ -216,6 +245,8 @@ def test_decoding_runs_under_mixed_bfloat16(sources):
 def test_invalid_arguments_are_rejected(model, sources):
     with pytest.raises(ValueError, match="num_return"):
         beam_search(model, sources, beam_size=2, num_return=3)
+    with pytest.raises(ValueError, match="num_return may be a tensor only inside"):
+        beam_search(model, sources, beam_size=2, num_return=tf.constant(1))
     with pytest.raises(ValueError, match="alpha"):
         beam_search(model, sources, alpha=-1.0)
     with pytest.raises(ValueError, match="max_length"):

@@ -380,6 +380,18 @@ def test_export_contains_only_standard_ops(exported):
     assert not {op for op in op_types if op.startswith("Kt")}
 
 
+def test_every_signature_decodes_with_one_shared_search_of_each_kind(exported):
+    """The seven signatures decode through one greedy search (which samples too: greedy is
+    sampling with top_k 1), one beam search (1-best or n-best, with or without a prefix) and
+    one forced pass (`DetailedSignatures`' shared functions), each traced and stored once:
+    the model's log-softmax, computed once in each, appears three times in the whole graph.
+    A signature tracing a search of its own (the export then ~40% larger, and as much slower
+    to write) would add one."""
+    _, _, path, _ = exported
+    nodes = _function_nodes(_graph_defs(path))
+    assert sum(node.op == "LogSoftmax" for node in nodes) == 3
+
+
 def test_export_holds_no_gradient_functions_and_a_load_leaves_nothing(exported):
     """An inference export computes no custom gradients, so it saves none: each
     `tf.saved_model.load` of a SavedModel that holds some registers them in TensorFlow's
