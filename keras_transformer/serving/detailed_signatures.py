@@ -236,6 +236,7 @@ class DetailedSignatures:
         sources = encode_texts(self.tokenizer, texts, self.max_input_tokens)
         order = tf.argsort(sources.row_lengths(), stable=True)
         length = self.max_output_tokens if max_length is None else max_length
+
         def compute(rows):
             source = tf.gather(sources, rows).to_tensor()
             ids, log_probs = search(source, rows)
