@@ -258,7 +258,8 @@ def greedy_loop(model, source_ids, extra_length, max_length, min_length, force_l
         if sampling is None:
             chosen = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
         else:
-            chosen = choose_tokens(log_probs, step_uniforms(extras[-1], index), sampling,
+            # The uniforms are computed only where a token is drawn (not at top_k 1).
+            chosen = choose_tokens(log_probs, lambda: step_uniforms(extras[-1], index), sampling,
                                    compiled=jit_compile)
         tokens = tf.where(active, chosen, PAD_ID)
         scores += tf.where(active, tf.gather(log_probs, tokens, batch_dims=1), 0.0)

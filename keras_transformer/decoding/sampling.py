@@ -140,16 +140,36 @@ def _uniforms(hashed):
 def choose_tokens(log_probs, uniforms, sampling: Sampling, compiled: bool = False):
     """Sampled token ids int32 (n,) from log-probs (n, vocab) (forbidden tokens at -1e9).
 
+    top_k 1 is greedy search: the argmax of the log-probs (ties to the lower id, as
+    `tf.math.top_k` ranks them), at any temperature and without a draw. So the SavedModel's
+    one greedy search serves sampling too (`serving.detailed_signatures`).
+
     Args:
         log_probs: float32 (n, vocab), already biased (forbidden tokens very negative); the
             vocabulary size is static.
         uniforms: float32 (n,) in [0, 1), from `step_uniforms`: the step's first draw (top-p
-            draws again with `next_uniforms`).
+            draws again with `next_uniforms`); or a function returning them, called only
+            where a token is drawn (not at top_k 1).
         sampling: the options: Python values (the branches are chosen while tracing), or
             scalar tensors (a SavedModel's inputs: the branches are chosen at run time).
         compiled: traced for XLA, which needs a static k: a tensor `top_k` then takes the
             k best of the vocabulary sorted.
     """
+    def greedy():
+        return tf.argmax(log_probs, axis=-1, output_type=tf.int32)
+
+    if sampling.static:
+        return greedy() if sampling.top_k == 1 else _draw(log_probs, uniforms, sampling,
+                                                          compiled)
+    return tf.cond(tf.equal(tf.cast(sampling.top_k, tf.int32), 1), greedy,
+                   lambda: _draw(log_probs, uniforms, sampling, compiled))
+
+
+def _draw(log_probs, uniforms, sampling: Sampling, compiled: bool):
+    """`choose_tokens` where a token is drawn (top_k other than 1)."""
+    if callable(uniforms):
+        uniforms = uniforms()
+
     def tempered():
         # Scaled from the best token down, so that no temperature overflows or underflows
         # the best one; forbidden tokens (-1e9 biases) stay forbidden at any temperature.
@@ -165,11 +185,7 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling, compiled: bool = Fals
                          lambda: log_probs, tempered)
     # Either way logits <= 0 with the best near 0: exp needs no softmax's max and sum
     # (the inverse transforms take unnormalized masses).
-    # top_k 1 draws the best token, as its argmax (ties to the lower id, as `tf.math.top_k`)
-    # does without a draw: greedy search, which the SavedModel runs as sampling with top_k 1.
     if sampling.static:
-        if sampling.top_k == 1:
-            return tf.argmax(logits, axis=-1, output_type=tf.int32)
         if sampling.top_k > 0:
             return _top_k_choice(logits, uniforms, sampling.top_k, sampling.top_p, compiled)
         if sampling.top_p < 1.0:
@@ -177,11 +193,9 @@ def choose_tokens(log_probs, uniforms, sampling: Sampling, compiled: bool = Fals
         return _vocabulary_choice(tf.exp(logits), uniforms, logits)
     top_k, top_p = tf.cast(sampling.top_k, tf.int32), tf.cast(sampling.top_p, tf.float32)
     return tf.cond(
-        tf.equal(top_k, 1), lambda: tf.argmax(logits, axis=-1, output_type=tf.int32),
-        lambda: tf.cond(
-            top_k > 0, lambda: _top_k_choice(logits, uniforms, top_k, top_p, compiled),
-            lambda: tf.cond(top_p < 1.0, lambda: _nucleus_choice(logits, uniforms, top_p),
-                            lambda: _vocabulary_choice(tf.exp(logits), uniforms, logits))))
+        top_k > 0, lambda: _top_k_choice(logits, uniforms, top_k, top_p, compiled),
+        lambda: tf.cond(top_p < 1.0, lambda: _nucleus_choice(logits, uniforms, top_p),
+                        lambda: _vocabulary_choice(tf.exp(logits), uniforms, logits)))
 
 
 def _top_k_choice(logits, uniforms, top_k, top_p, compiled):
