@@ -61,10 +61,11 @@ def _token_bias(biases, log_probs, index, min_length):
 
 
 def _prefix_steps(prefix):
-    """The steps that force a token: the longest real prefix of `prefix` (batch, P), int32
-    scalar (0 for an all-PAD prefix: a search given no prefix at all)."""
+    """The steps that may force a token: one past the last non-PAD column of `prefix`
+    (batch, P), int32 scalar (0 for an all-PAD prefix: a search given no prefix at all)."""
+    columns = tf.range(1, tf.shape(prefix)[1] + 1)[None, :]
     return tf.reduce_max(tf.concat([
-        tf.reduce_sum(tf.cast(prefix != PAD_ID, tf.int32), axis=1), [0]], 0))
+        tf.reshape(tf.where(prefix != PAD_ID, columns, 0), [-1]), [0]], 0))
 
 
 def _force_prefix(log_probs, prefix, index, prefix_steps, repeats=1):

@@ -140,9 +140,9 @@ def _uniforms(hashed):
 def choose_tokens(log_probs, uniforms, sampling: Sampling, compiled: bool = False):
     """Sampled token ids int32 (n,) from log-probs (n, vocab) (forbidden tokens at -1e9).
 
-    top_k 1 is greedy search: the argmax of the log-probs (ties to the lower id, as
-    `tf.math.top_k` ranks them), at any temperature and without a draw. So the SavedModel's
-    one greedy search serves sampling too (`serving.detailed_signatures`).
+    top_k 1 is greedy search: the `tf.argmax` of the log-probs, the token greedy search
+    takes, at any temperature and without a draw. So the SavedModel's one greedy search
+    serves sampling too (`serving.detailed_signatures`).
 
     Args:
         log_probs: float32 (n, vocab), already biased (forbidden tokens very negative); the

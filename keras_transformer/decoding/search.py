@@ -227,10 +227,13 @@ def beam_search(
         Ids end with EOS unless cut by the length limit, then 0-padded; scores are
         log-prob / length penalty.
     """
-    fixed_return = num_return is None or isinstance(num_return, int)
-    if fixed_return and num_return is not None and num_return < 1:
-        raise ValueError(f"num_return must be >= 1, got {num_return}.")
-    if isinstance(beam_size, int) and isinstance(num_return, int) and num_return > beam_size:
+    fixed_return = not tf.is_tensor(num_return)  # None, or a Python or numpy integer
+    if fixed_return and num_return is not None:
+        num_return = int(num_return)
+        if num_return < 1:
+            raise ValueError(f"num_return must be >= 1, got {num_return}.")
+    if isinstance(beam_size, int) and fixed_return and num_return is not None \
+            and num_return > beam_size:
         raise ValueError(f"num_return={num_return} exceeds beam_size={beam_size}.")
     if isinstance(alpha, (int, float)) and alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}.")
@@ -262,7 +265,7 @@ def beam_search(
         search = compiled_per_model(model, key, build)
         ids, scores = search(source_ids, beam_size, alpha, *options.values(),
                              *(() if prefix is None else (prefix,)))
-    if isinstance(num_return, int) and num_return == 1:
+    if fixed_return and num_return == 1:
         return ids[:, 0], scores[:, 0]
     return ids, scores
 

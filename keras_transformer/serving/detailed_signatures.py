@@ -180,7 +180,8 @@ class DetailedSignatures:
         and length-penalized scores (n, num_return), best first."""
         return beam_search(self.model, source_ids, beam_size=beam_size, alpha=alpha,
                            extra_length=self.max_extra_length,
-                           max_length=self.max_output_tokens, num_return=num_return,
+                           max_length=self.max_output_tokens,
+                           num_return=tf.clip_by_value(num_return, 1, beam_size),
                            jit_compile=self.jit_compile, prefix_ids=prefix_ids)
 
     @tf.function(input_signature=[_SOURCE, _TARGET_IDS], autograph=False)

@@ -123,7 +123,8 @@ class TranslationModule(DetailedSignatures, tf.Module):
     @tf.function(input_signature=[_STRINGS], autograph=False)
     def serve(self, inputs):
         """serving_default: translations (N,) of texts (N,) with the export-time settings."""
-        # Calls `translate`, so the 1-best search is traced (and stored) once, not twice.
+        # Calls `translate`, whose searches are the ones every signature shares
+        # (`DetailedSignatures`): nothing of its own is traced.
         results = self.translate(inputs, tf.constant(self.beam_size), tf.constant(self.alpha))
         return {"outputs": results["outputs"]}
 

@@ -221,7 +221,8 @@ def test_options_as_tensors_and_under_xla_draw_the_same_tokens():
                              compiled=True)
 
     for options in (Sampling(), Sampling(top_p=0.9), Sampling(top_k=10),
-                    Sampling(top_k=10, top_p=0.5), Sampling(top_p=0.9, temperature=0.7)):
+                    Sampling(top_k=10, top_p=0.5), Sampling(top_p=0.9, temperature=0.7),
+                    Sampling(top_k=1, top_p=0.5, temperature=0.3)):
         expected = choose_tokens(log_probs, uniforms, options).numpy()
         np.testing.assert_array_equal(choose_tokens(log_probs, uniforms, tensors(options)),
                                       expected)
