@@ -76,7 +76,7 @@ def _force_prefix(log_probs, prefix, index, prefix_steps, repeats=1):
 
     Past `prefix_steps` (`_prefix_steps`) no row is forced and the step skips the masking, so
     a search given an all-PAD prefix (the SavedModel's shared searches, when a request has
-    none) costs what a search without a prefix costs, and gives the same tokens.
+    none) does no masking work beyond one `tf.cond` a step, and gives the same tokens.
     """
     def force():
         rows = prefix if isinstance(repeats, int) and repeats == 1 else tf.repeat(

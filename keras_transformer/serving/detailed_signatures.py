@@ -157,7 +157,7 @@ class DetailedSignatures:
     # search is sampling with top_k 1), one beam search (the same four signatures; 1-best or
     # all beam_size hypotheses) and one forced pass (translate_details, score). The searches
     # take a forced prefix, all PAD when a request has none (a search then skips the
-    # prefix's masking: the same tokens, the same cost).
+    # prefix's masking: the same tokens; serving speed measured unchanged, BENCHMARKS.md).
 
     @tf.function(input_signature=[_SOURCE, _PREFIX_IDS, _SEEDS, _TOP_K, _TOP_P, _TEMPERATURE],
                  autograph=False)
@@ -247,11 +247,10 @@ class DetailedSignatures:
                 self.tokenizer.detokenize(flat), "UTF-8", "UTF-8", errors="replace"),
                 [count, hypotheses])]
             if details:
-                token_log_probs, attention = self._forced_pass(
-                    tf.repeat(source, hypotheses, axis=0), flat)
-                alignments = word_alignments(self.tokenizer, attention,
-                                             tf.repeat(source, hypotheses, axis=0), flat,
-                                             DEFAULT_SHIFT, DEFAULT_TENSION)
+                hypothesis_sources = tf.repeat(source, hypotheses, axis=0)  # (n * K, S)
+                token_log_probs, attention = self._forced_pass(hypothesis_sources, flat)
+                alignments = word_alignments(self.tokenizer, attention, hypothesis_sources,
+                                             flat, DEFAULT_SHIFT, DEFAULT_TENSION)
                 if forced:
                     log_probs = tf.reshape(tf.reduce_sum(token_log_probs, axis=1),
                                            [count, hypotheses])
