@@ -80,17 +80,17 @@ def test_cli_reads_a_corpus_folder_and_a_saved_model(tmp_path_factory, tmp_path,
     (tmp_path / "test_2016_flickr.de").write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
     (tmp_path / "test_2016_flickr.en").write_text("\n".join(REFERENCES) + "\n",
                                                   encoding="utf-8")
+    # (One call: each loads the SavedModel, most of this test's time. The text report:
+    # test_without_beam_or_alpha_a_run_decodes_as_its_test_bleu_was_scored.)
     code = main(["--model", str(export.parent), "--data", str(tmp_path), "--src", "de",
-                 "--tgt", "en", "--beam", "2"])
+                 "--tgt", "en", "--beam", "2", "--json"])
     assert code == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("BLEU = ") and "chrF = " in captured.out
-    assert "tok:13a" in captured.out
     # The corpus' "loaded N pairs" line goes to stderr: --json's stdout is JSON alone.
     assert "loaded 5 de-en pairs" in captured.err
-    assert main(["--model", str(export.parent), "--data", str(tmp_path), "--src", "de",
-                 "--tgt", "en", "--beam", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["sentences"] == 5
+    result = json.loads(captured.out)
+    assert result["sentences"] == 5 and result["beam_size"] == 2
+    assert "tok:13a" in result["bleu_signature"]
 
 
 @pytest.mark.parametrize("problem", ["missing_file", "mismatch", "not_a_model"])
@@ -170,6 +170,8 @@ def test_without_beam_or_alpha_a_run_decodes_as_its_test_bleu_was_scored(run_dir
     error = capsys.readouterr().err
     assert error.startswith("evaluate: error: ") and "'beam' is 'four'" in error
     assert main([*files, "--beam", "1", "--alpha", "0"]) == 0
+    report = capsys.readouterr().out  # the text report
+    assert report.startswith("BLEU = ") and "chrF = " in report and "tok:13a" in report
 
 
 def test_a_saved_model_decodes_with_its_serving_default_settings(tmp_path_factory, tmp_path):
@@ -192,4 +194,3 @@ def test_a_saved_model_decodes_with_its_serving_default_settings(tmp_path_factor
     assert translator.resolve_search(None, None, sampling_topk=0) == (1, 0.0)
     assert translator.resolve_search(None, 0.6, num_hypotheses=3) == (3, 0.6)
     assert translator.resolve_search(5, None) == (5, 0.0)
-    assert load_translator(export).decoding == (4, 0.6)

@@ -177,14 +177,19 @@ def test_an_all_pad_prefix_and_a_tensor_num_return_search_as_without_them(model,
         assert shared_ids.shape[1] == num_return
         np.testing.assert_array_equal(shared_ids.numpy(), ids.numpy())
         np.testing.assert_allclose(shared_scores.numpy(), scores.numpy(), rtol=1e-6)
+
+
+def test_a_numpy_num_return_is_fixed_and_a_pad_inside_a_prefix_does_not_end_it(model, sources):
+    """The shared searches' arguments read as the plain searches' (without XLA only: each
+    search here would cost an XLA compile, and neither check depends on it)."""
     # A numpy integer is a fixed num_return, as a Python one.
-    best, _ = beam_search(model, sources, beam_size=3, num_return=np.int64(1), **options)
+    best, _ = beam_search(model, sources, beam_size=3, num_return=np.int64(1), extra_length=6)
     assert best.shape.rank == 2
     # A PAD inside a prefix does not end it: the tokens after it are forced too.
     gapped = np.zeros((len(sources), 3), np.int32)
     gapped[:, 0], gapped[:, 2] = 5, 7
     for search in (greedy_search, beam_search):
-        forced, _ = search(model, sources, prefix_ids=gapped, **options)
+        forced, _ = search(model, sources, prefix_ids=gapped, extra_length=6)
         forced = forced.numpy().reshape(len(sources), -1)
         assert (forced[:, 0] == 5).all() and (forced[:, 2] == 7).all()
 

@@ -1,13 +1,11 @@
 """The SavedModel's signatures beyond strings (keras_transformer.serving.detailed_signatures):
 the same hypotheses, scores, token log-probs, alignments, samples and prefixes as the Python
-API, hostile inputs answered on every one of them, in a process without the project."""
+API, hostile inputs answered on every one of them (in a process without the project:
+tests/serving/test_saved_model.py)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +19,6 @@ from tests.serving.test_saved_model import (
     HOSTILE,
     MAX_EXTRA,
     MAX_INPUT_TOKENS,
-    _clean_env,
     make_sentences,
     shared_artifacts,
 )
@@ -166,30 +163,3 @@ def test_concurrent_requests_get_their_own_answers(served):
         together = list(pool.map(lambda texts: _strings(
             _call(loaded, "translate_details", texts)["outputs"]), requests))
     assert together == alone
-
-
-_FRESH = """
-import json, sys
-import tensorflow as tf
-import tensorflow_text  # noqa: F401
-loaded = tf.saved_model.load(sys.argv[1])
-names = sorted(loaded.signatures)
-score = loaded.signatures["score"](inputs=tf.constant(["Ein Hund."]),
-                                   targets=tf.constant(["A dog."]), alpha=tf.constant(0.6))
-project = sorted(m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "pipelines"))
-print(json.dumps({"names": names, "log_prob": float(score["log_probs"][0]),
-                  "project_modules": project}))
-"""
-
-
-def test_the_signatures_load_without_the_project(served, tmp_path):
-    model, tokenizer, _, path = served
-    result = subprocess.run([sys.executable, "-c", _FRESH, str(path)], cwd=tmp_path,
-                            env=_clean_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["project_modules"] == []
-    assert report["names"] == ["sample", "score", "serving_default", "translate",
-                               "translate_details", "translate_nbest", "translate_prefix"]
-    expected = force_decode(model, tokenizer, ["Ein Hund."], ["A dog."])[0]
-    assert report["log_prob"] == pytest.approx(expected.hypotheses[0].log_prob, abs=1e-4)

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_transformer import run_directory
 from keras_transformer.decoding.search import beam_search, encode_texts, greedy_search
-from keras_transformer.decoding.translator import translate_texts
+from keras_transformer.decoding.translator import force_decode, translate_texts
 from keras_transformer.model.transformer import build_transformer
 from keras_transformer.serving.saved_model import (
     METADATA_FILE,
@@ -226,11 +226,15 @@ _FRESH_PROCESS = textwrap.dedent("""
     out = serve(inputs=tf.constant([b"Ein Hund.", b"", b"\\xff\\xfe", "🙂".encode()]))
     nbest = loaded.signatures["translate_nbest"](
         inputs=tf.constant(["Ein Hund."]), beam_size=tf.constant(2), alpha=tf.constant(0.6))
+    score = loaded.signatures["score"](inputs=tf.constant(["Ein Hund."]),
+                                       targets=tf.constant(["A dog."]), alpha=tf.constant(0.6))
     project = sorted(m for m in sys.modules if m.split(".")[0] in ("keras_transformer",
                                                                     "pipelines"))
     print(json.dumps({
         "outputs": [t.decode("utf-8") for t in out["outputs"].numpy()],
         "nbest_shape": list(nbest["outputs"].shape),
+        "names": sorted(loaded.signatures),
+        "log_prob": float(score["log_probs"][0]),
         "project_modules": project,
     }))
 """)
@@ -243,7 +247,9 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_loads_in_a_fresh_process_with_only_tensorflow_and_text(exported, tmp_path):
-    _, _, path, loaded = exported
+    """Every signature is there and runs without the project (one process for all: its
+    start and the load are most of this test's time)."""
+    tokenizer, model, path, loaded = exported
     result = subprocess.run(
         [sys.executable, "-c", _FRESH_PROCESS, str(path)], cwd=tmp_path, env=_clean_env(),
         capture_output=True, text=True, timeout=300,
@@ -253,6 +259,10 @@ def test_loads_in_a_fresh_process_with_only_tensorflow_and_text(exported, tmp_pa
     assert report["project_modules"] == []
     assert len(report["outputs"]) == 4
     assert report["nbest_shape"] == [1, 2]
+    assert report["names"] == ["sample", "score", "serving_default", "translate",
+                               "translate_details", "translate_nbest", "translate_prefix"]
+    expected_score = force_decode(model, tokenizer, ["Ein Hund."], ["A dog."])[0]
+    assert report["log_prob"] == pytest.approx(expected_score.hypotheses[0].log_prob, abs=1e-4)
     expected = _texts(loaded.signatures["serving_default"](inputs=tf.constant(["Ein Hund."]))[
         "outputs"])
     assert report["outputs"][0] == expected[0]
