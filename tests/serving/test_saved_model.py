@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -398,8 +399,17 @@ def test_every_signature_decodes_with_one_shared_search_of_each_kind(exported):
     A signature tracing a search of its own (the export then ~40% larger, and as much slower
     to write) would add one."""
     _, _, path, _ = exported
-    nodes = _function_nodes(_graph_defs(path))
-    assert sum(node.op == "LogSoftmax" for node in nodes) == 3
+    graphs = _graph_defs(path)
+    assert sum(node.op == "LogSoftmax" for node in _function_nodes(graphs)) == 3
+    # Each stays a function of its own after a load (not inlined into the signatures that
+    # call it), so that a process optimizes it once, not once per signature it calls.
+    shared = {}
+    for function in (function for graph in graphs for function in graph.library.function):
+        name = re.fullmatch(r"__inference_(_greedy_search|_beam_search|_forced_pass)_\d+",
+                            function.signature.name)
+        if name:
+            shared.setdefault(name[1], []).append(function.attr["_noinline"].b)
+    assert shared == {"_greedy_search": [True], "_beam_search": [True], "_forced_pass": [True]}
 
 
 def test_export_holds_no_gradient_functions_and_a_load_leaves_nothing(exported):
