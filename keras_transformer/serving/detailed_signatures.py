@@ -161,8 +161,8 @@ class DetailedSignatures:
     # Each is also kept a function of its own after a load (`_noinline`): TensorFlow
     # optimizes a function when it first runs it, and an inlined search would be optimized
     # again inside each signature that a process calls; kept apart, it is optimized once
-    # per process (the first calls of all seven signatures after a load: 37% less CPU time,
-    # the steady speed unchanged; BENCHMARKS.md).
+    # per process (the first calls of all seven signatures after a load: 30% less CPU time,
+    # the steady speed no slower; BENCHMARKS.md).
 
     @tf.function(input_signature=[_SOURCE, _PREFIX_IDS, _SEEDS, _TOP_K, _TOP_P, _TEMPERATURE],
                  autograph=False, experimental_attributes={"_noinline": True})

@@ -154,9 +154,12 @@ def test_beam_size_one_equals_greedy(model, sources):
 def test_an_all_pad_prefix_and_a_tensor_num_return_search_as_without_them(model, sources,
                                                                          jit_compile):
     """What the SavedModel's shared searches rely on (`serving.detailed_signatures`): a
-    request without a prefix is searched with an all-PAD one, and one beam search returns
-    1 or beam_size hypotheses by a num_return tensor."""
-    no_prefix = np.zeros((len(sources), 1), np.int32)
+    request without a prefix is searched with an all-PAD one, one beam search returns 1 or
+    beam_size hypotheses by a num_return tensor, and a PAD inside a prefix does not end it."""
+    # All prefixes here are 3 wide: under XLA, each search compiles once for that shape.
+    no_prefix = np.zeros((len(sources), 3), np.int32)
+    gapped = np.zeros((len(sources), 3), np.int32)
+    gapped[:, 0], gapped[:, 2] = 5, 7
     options = {"extra_length": 6, "jit_compile": jit_compile}
     ids, scores = greedy_search(model, sources, **options)
     padded_ids, padded_scores = greedy_search(model, sources, prefix_ids=no_prefix, **options)
@@ -164,34 +167,30 @@ def test_an_all_pad_prefix_and_a_tensor_num_return_search_as_without_them(model,
     np.testing.assert_allclose(padded_scores.numpy(), scores.numpy(), rtol=1e-6)
 
     @tf.function(autograph=False)
-    def shared(num_return):
+    def shared(num_return, prefix_ids):
         return beam_search(model, sources, beam_size=3, num_return=num_return,
-                           prefix_ids=no_prefix, **options)
+                           prefix_ids=prefix_ids, **options)
 
     for num_return in (1, 3):
         ids, scores = beam_search(model, sources, beam_size=3, num_return=num_return,
                                   **options)
         if num_return == 1:
             ids, scores = ids[:, None], scores[:, None]
-        shared_ids, shared_scores = shared(tf.constant(num_return))
+        shared_ids, shared_scores = shared(tf.constant(num_return), no_prefix)
         assert shared_ids.shape[1] == num_return
         np.testing.assert_array_equal(shared_ids.numpy(), ids.numpy())
         np.testing.assert_allclose(shared_scores.numpy(), scores.numpy(), rtol=1e-6)
+    # A PAD inside a prefix does not end it: the tokens after it are forced too.
+    for forced in (greedy_search(model, sources, prefix_ids=gapped, **options)[0],
+                   shared(tf.constant(3), gapped)[0]):
+        forced = forced.numpy().reshape(len(sources), -1, forced.shape[-1])
+        assert (forced[:, :, 0] == 5).all() and (forced[:, :, 2] == 7).all()
 
 
-def test_a_numpy_num_return_is_fixed_and_a_pad_inside_a_prefix_does_not_end_it(model, sources):
-    """The shared searches' arguments read as the plain searches' (without XLA only: each
-    search here would cost an XLA compile, and neither check depends on it)."""
-    # A numpy integer is a fixed num_return, as a Python one.
+def test_a_numpy_num_return_is_a_fixed_one(model, sources):
+    """As a Python int, not a tensor (which only a tf.function's search accepts)."""
     best, _ = beam_search(model, sources, beam_size=3, num_return=np.int64(1), extra_length=6)
     assert best.shape.rank == 2
-    # A PAD inside a prefix does not end it: the tokens after it are forced too.
-    gapped = np.zeros((len(sources), 3), np.int32)
-    gapped[:, 0], gapped[:, 2] = 5, 7
-    for search in (greedy_search, beam_search):
-        forced, _ = search(model, sources, prefix_ids=gapped, extra_length=6)
-        forced = forced.numpy().reshape(len(sources), -1)
-        assert (forced[:, 0] == 5).all() and (forced[:, 2] == 7).all()
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])

@@ -248,8 +248,9 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_loads_in_a_fresh_process_with_only_tensorflow_and_text(exported, tmp_path):
-    """Every signature is there and runs without the project (one process for all: its
-    start and the load are most of this test's time)."""
+    """The SavedModel loads and decodes without the project: every signature is listed,
+    and three of them (greedy, n-best and a forced pass) run (one process for all of it:
+    its start and the load are most of this test's time)."""
     tokenizer, model, path, loaded = exported
     result = subprocess.run(
         [sys.executable, "-c", _FRESH_PROCESS, str(path)], cwd=tmp_path, env=_clean_env(),
