@@ -232,9 +232,8 @@ def beam_search(
         num_return = int(num_return)
         if num_return < 1:
             raise ValueError(f"num_return must be >= 1, got {num_return}.")
-    if isinstance(beam_size, int) and fixed_return and num_return is not None \
-            and num_return > beam_size:
-        raise ValueError(f"num_return={num_return} exceeds beam_size={beam_size}.")
+        if isinstance(beam_size, int) and num_return > beam_size:
+            raise ValueError(f"num_return={num_return} exceeds beam_size={beam_size}.")
     if isinstance(alpha, (int, float)) and alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}.")
     options = _options(extra_length, max_length, min_length, force_length)

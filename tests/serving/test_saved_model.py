@@ -375,10 +375,14 @@ def _graph_defs(path) -> list:
     return [meta_graph.graph_def for meta_graph in saved_model.meta_graphs]
 
 
+def _library_functions(graphs) -> list:
+    """The FunctionDefs of the graphs' libraries (the signatures' bodies and what they call)."""
+    return [function for graph in graphs for function in graph.library.function]
+
+
 def _function_nodes(graphs) -> list:
-    """The NodeDefs of every function in the graphs' libraries (the signatures' bodies)."""
-    return [node for graph in graphs for function in graph.library.function
-            for node in function.node_def]
+    """The NodeDefs of every function in the graphs' libraries."""
+    return [node for function in _library_functions(graphs) for node in function.node_def]
 
 
 def test_export_contains_only_standard_ops(exported):
@@ -405,7 +409,7 @@ def test_every_signature_decodes_with_one_shared_search_of_each_kind(exported):
     # Each stays a function of its own after a load (not inlined into the signatures that
     # call it), so that a process optimizes it once, not once per signature it calls.
     shared = {}
-    for function in (function for graph in graphs for function in graph.library.function):
+    for function in _library_functions(graphs):
         name = re.fullmatch(r"__inference_(_greedy_search|_beam_search|_forced_pass)_\d+",
                             function.signature.name)
         if name:
