@@ -70,6 +70,9 @@ _TOKENIZE_CHUNK = 8192  # sentences tokenized per op call: amortises per-call ov
 # One fixed algorithm: "auto_select" may differ by device, and pipelines.philox reproduces
 # Philox's draws in numpy (StreamPosition.after, pipelines.numpy_batches).
 _RNG = "philox"
+# tf.data traces the functions given to `map` and `flat_map` through AutoGraph unless told not
+# to; the project's traced functions are plain TensorFlow (`autograph=False` elsewhere).
+_as_written = tf.autograph.experimental.do_not_convert
 
 
 def chunk_stream(
@@ -119,12 +122,17 @@ def chunk_stream(
     if not repeat and start.epoch > 0:  # started past the end of the only epoch
         epoch_seeds = epoch_seeds.take(0)
 
+    # The functions below are traced as written (no AutoGraph: no tensor decides any Python
+    # `if`): converting them cost ~0.7 s of every process's first pipeline (BENCHMARKS.md).
+    @_as_written
     def chunks_of_epoch(epoch):
         order = _chunk_order(num_chunks, seed, epoch, shuffle)
-        return tf.data.Dataset.from_tensor_slices(order).map(lambda chunk: (epoch, chunk))
+        return tf.data.Dataset.from_tensor_slices(order).map(
+            _as_written(lambda chunk: (epoch, chunk)))
 
     items = epoch_seeds.flat_map(chunks_of_epoch).skip(start.chunk).enumerate()
 
+    @_as_written
     def order_chunk(index, item):
         epoch, chunk = item
         source, target = load_chunk(chunk)
@@ -148,6 +156,7 @@ def chunk_stream(
         return (source.values, source.row_splits, target.values, target.row_splits,
                 tf.cast(order, tf.int64), ends, batch_order[skip:])
 
+    @_as_written
     def batches_of_chunk(*chunk):
         *tensors, ends, batch_order = chunk
         starts = tf.concat([[0], ends[:-1]], axis=0)
@@ -155,30 +164,35 @@ def chunk_stream(
             (tf.gather(starts, batch_order), tf.gather(ends, batch_order)))
         return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(tuple(tensors)).repeat(), ranges)
 
+    @_as_written
     def assemble(tensors, batch_range):
         source_values, source_splits, target_values, target_splits, order = tensors
         rows = order[batch_range[0]:batch_range[1]]
-        source = tf.gather(tf.RaggedTensor.from_row_splits(source_values, source_splits,
-                                                           validate=False), rows)
-        target = tf.gather(tf.RaggedTensor.from_row_splits(target_values, target_splits,
-                                                           validate=False), rows)
-        count = tf.shape(rows, out_type=tf.int64)[:1]
-        eos = tf.RaggedTensor.from_tensor(tf.fill(tf.concat([count, [1]], 0), EOS_ID))
-        bos = tf.RaggedTensor.from_tensor(tf.fill(tf.concat([count, [1]], 0), BOS_ID))
-        source_in = tf.concat([source, eos], axis=1)
-        target_in = tf.concat([bos, target], axis=1)
-        labels = tf.concat([target, eos], axis=1)
+        # Dense ops only: the ragged gather, concat and pad this replaces built ~10x the
+        # graph, and each pipeline's functions are traced again at every start (BENCHMARKS.md).
+        source_starts, source_lengths = _rows_of(source_splits, rows)
+        target_starts, target_lengths = _rows_of(target_splits, rows)
+        # One marker (EOS or BOS) per sequence: S = longest source + 1, T = longest target + 1.
+        source_longest = tf.reduce_max(source_lengths) + 1
+        target_longest = tf.reduce_max(target_lengths) + 1
         if static_budget is not None:
-            longest = tf.maximum(tf.reduce_max(source_in.row_lengths()),
-                                 tf.reduce_max(target_in.row_lengths()))
-            width = boundary_table[tf.searchsorted(boundary_table, tf.reshape(longest, [1]))[0]]
-            shape = tf.stack([static_budget // width, width])
-            return ({"source": source_in.to_tensor(PAD_ID, shape=shape),
-                     "target": target_in.to_tensor(PAD_ID, shape=shape)},
-                    labels.to_tensor(PAD_ID, shape=shape))
-        return ({"source": _pad_to_boundary(source_in, boundary_table),
-                 "target": _pad_to_boundary(target_in, boundary_table)},
-                _pad_to_boundary(labels, boundary_table))
+            width = _boundary_for(tf.maximum(source_longest, target_longest), boundary_table)
+            source_width = target_width = width
+        else:
+            source_width = _boundary_for(source_longest, boundary_table)
+            target_width = _boundary_for(target_longest, boundary_table)
+        source_in = _with_marker(source_values, source_starts, source_lengths, source_width,
+                                 EOS_ID, first=False)
+        target_in = _with_marker(target_values, target_starts, target_lengths, target_width,
+                                 BOS_ID, first=True)
+        labels = _with_marker(target_values, target_starts, target_lengths, target_width,
+                              EOS_ID, first=False)
+        if static_budget is not None:  # all-PAD rows up to budget // width
+            missing = static_budget // width - tf.shape(rows, out_type=tf.int64)[0]
+            source_in, target_in, labels = (
+                tf.pad(ids, [[0, missing], [0, 0]], constant_values=PAD_ID)
+                for ids in (source_in, target_in, labels))
+        return {"source": source_in, "target": target_in}, labels
 
     dataset = items.map(order_chunk, num_parallel_calls=2, deterministic=True)
     dataset = dataset.flat_map(batches_of_chunk)
@@ -329,8 +343,28 @@ def _chunk_order(num_chunks: int, seed: int, epoch, shuffle: bool) -> tf.Tensor:
         chunks, tf.stack([tf.constant(seed, tf.int64), epoch]), alg=_RNG)
 
 
-def _pad_to_boundary(rows: tf.RaggedTensor, boundary_table: tf.Tensor) -> tf.Tensor:
-    """Dense ``[B, b]`` with ``b`` the smallest boundary >= the longest row, PAD-filled."""
-    longest = tf.reduce_max(rows.row_lengths())
-    width = boundary_table[tf.searchsorted(boundary_table, tf.reshape(longest, [1]))[0]]
-    return rows.to_tensor(default_value=PAD_ID, shape=tf.stack([rows.nrows(), width]))
+def _rows_of(splits: tf.Tensor, rows: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Where ``rows`` of a ragged tensor's ``splits`` start in its values, and their
+    lengths: two int64 ``[B]``."""
+    starts = tf.gather(splits, rows)
+    return starts, tf.gather(splits, rows + 1) - starts
+
+
+def _boundary_for(positions: tf.Tensor, boundary_table: tf.Tensor) -> tf.Tensor:
+    """The smallest boundary >= ``positions`` (an int64 scalar)."""
+    return boundary_table[tf.searchsorted(boundary_table, tf.reshape(positions, [1]))[0]]
+
+
+def _with_marker(values: tf.Tensor, starts: tf.Tensor, lengths: tf.Tensor, width: tf.Tensor,
+                 marker: int, *, first: bool) -> tf.Tensor:
+    """Dense int32 ``[B, width]``: each row's ids (``values[start:start + length]``) with
+    ``marker`` before them (``first``) or after them, then PAD."""
+    positions = tf.range(width, dtype=tf.int64)[tf.newaxis, :]
+    lengths = lengths[:, tf.newaxis]
+    offsets = positions - 1 if first else positions  # the row's id at each position
+    inside = (offsets >= 0) & (offsets < lengths)
+    # Index len(values) is the PAD appended here: positions past a row read it.
+    index = tf.where(inside, starts[:, tf.newaxis] + offsets, tf.size(values, out_type=tf.int64))
+    ids = tf.gather(tf.concat([values, tf.constant([PAD_ID], values.dtype)], 0), index)
+    at_marker = positions == (0 if first else lengths)
+    return tf.where(at_marker, tf.constant(marker, values.dtype), ids)

@@ -247,6 +247,7 @@ def _tokenized_batches(split: CorpusSplit, tokenizer: SubwordTokenizer) -> Itera
         lambda: batched_pairs(split.pairs(), _ENCODE_BATCH),
         output_signature=(tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.string)))
 
+    @tf.autograph.experimental.do_not_convert  # plain TensorFlow: no AutoGraph conversion
     def encode(sources, targets):
         source, target = tokenizer.tokenize(sources), tokenizer.tokenize(targets)
         pairs = tf.concat([source, target], axis=1)

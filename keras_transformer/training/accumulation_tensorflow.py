@@ -113,8 +113,8 @@ class GradientAccumulator:
         def update():
             strategy.run(self.update, args=(model.optimizer,))
 
-        if not model.run_eagerly:
-            update = tf.function(update, jit_compile=model.jit_compile)
+        if not model.run_eagerly:  # traced as written, as Keras traces its own step
+            update = tf.function(update, jit_compile=model.jit_compile, autograph=False)
 
         def train_function(iterator):
             logs = micro_function(iterator)

@@ -157,4 +157,5 @@ def train_model(config: TrainConfig, record: dict[str, Any], corpora: dict[str, 
 
 def _count(dataset) -> int:
     """Number of elements of a finite dataset."""
-    return int(dataset.reduce(0, lambda count, _: count + 1))
+    count = tf.autograph.experimental.do_not_convert(lambda count, _: count + 1)
+    return int(dataset.reduce(0, count))
