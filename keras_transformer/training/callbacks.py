@@ -25,8 +25,9 @@ from keras_transformer.training.checkpoints import (
     BEST_FILE,
     checkpoint_path,
     list_checkpoints,
-    save_model_weights,
     steps_to_keep,
+    weights_file_bytes,
+    write_weights_file,
 )
 from pipelines import storage
 from pipelines.constants import PAD_ID
@@ -346,17 +347,21 @@ class RunCheckpointer(keras.callbacks.Callback):
         self.backup_dir.mkdir(parents=True, exist_ok=True)
         passed = step // self.checkpoint_every > self.last_step // self.checkpoint_every
         self.last_step = step
+        weights = None  # the checkpoint's bytes: the best file, if due, is the same file
         if passed or self.model.stop_training:
             path = checkpoint_path(self.checkpoint_dir, step)
-            self.checkpoints[path.name] = save_model_weights(self.model, path)
+            weights = weights_file_bytes(self.model)
+            self.checkpoints[path.name] = write_weights_file(path, weights)
             self._remove_old_checkpoints()
         val_loss = logs.get("val_loss")
         if val_loss is not None:
             if val_loss < self.best_val_loss:
                 self.best_val_loss, self.best_step = float(val_loss), step
                 self.bad_validations = 0
-                self.checkpoints[BEST_FILE] = save_model_weights(
-                    self.model, self.checkpoint_dir / BEST_FILE)
+                if weights is None:
+                    weights = weights_file_bytes(self.model)
+                self.checkpoints[BEST_FILE] = write_weights_file(
+                    self.checkpoint_dir / BEST_FILE, weights)
             else:
                 self.bad_validations += 1
                 if self.patience and self.bad_validations >= self.patience:

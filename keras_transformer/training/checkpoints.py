@@ -63,6 +63,12 @@ def save_model_weights(model: keras.Model, path: str | Path,
     Raises:
         StorageError: the disk is full or failing (`path` is untouched).
     """
+    return write_weights_file(path, weights_file_bytes(model, include_optimizer))
+
+
+def weights_file_bytes(model: keras.Model, include_optimizer: bool = False) -> memoryview:
+    """The bytes of the `.weights.h5` file that `save_model_weights` writes (arguments as
+    there): to write the same weights to several files, make them once."""
     # Private Keras API, on purpose (checked against Keras 3.15.1): this is the body of
     # `keras.src.saving.saving_lib.save_weights_only`, which `model.save_weights` calls, but
     # writing to an in-memory buffer (the public call takes only a path ending in .weights.h5
@@ -76,7 +82,12 @@ def save_model_weights(model: keras.Model, path: str | Path,
     saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
                            visited_saveables=skipped)
     store.close()
-    data = buffer.getbuffer()
+    return buffer.getbuffer()
+
+
+def write_weights_file(path: str | Path, data: memoryview) -> dict[str, int]:
+    """Writes `weights_file_bytes` to `path` durably and atomically; returns {"bytes",
+    "crc32"} of the file. Raises StorageError as `save_model_weights`."""
     storage.write_bytes(path, data)
     return {"bytes": len(data), "crc32": storage.checksum(data)}
 
