@@ -4,7 +4,7 @@ The pairs are processed in *chunks* (a shard of a prepared corpus, or a whole in
 corpus): each epoch visits the chunks in a seeded random order; within a chunk the pairs
 are shuffled, stably sorted by length bucket, cut into batches by a greedy token budget
 (:func:`plan_batches`), and the chunk's batches are shuffled. Everything per pair is one
-vectorised op per chunk; per batch, one gather and one pad. Because a chunk's batch
+vectorised op per chunk; per batch, a few dense gathers and selects. Because a chunk's batch
 boundaries depend only on its length histogram, the number of batches of every chunk is
 known in advance, so a stream can start at any batch without replaying the ones before
 (:class:`StreamPosition`). The plan and the orders are numpy (:mod:`pipelines.batch_plan`,
@@ -71,7 +71,8 @@ _TOKENIZE_CHUNK = 8192  # sentences tokenized per op call: amortises per-call ov
 # Philox's draws in numpy (StreamPosition.after, pipelines.numpy_batches).
 _RNG = "philox"
 # tf.data traces the functions given to `map` and `flat_map` through AutoGraph unless told not
-# to; the project's traced functions are plain TensorFlow (`autograph=False` elsewhere).
+# to; these are plain TensorFlow (as the searches and signatures, traced with autograph=False).
+# Functions traced inside them are traced as written too.
 _as_written = tf.autograph.experimental.do_not_convert
 
 
@@ -127,8 +128,7 @@ def chunk_stream(
     @_as_written
     def chunks_of_epoch(epoch):
         order = _chunk_order(num_chunks, seed, epoch, shuffle)
-        return tf.data.Dataset.from_tensor_slices(order).map(
-            _as_written(lambda chunk: (epoch, chunk)))
+        return tf.data.Dataset.from_tensor_slices(order).map(lambda chunk: (epoch, chunk))
 
     items = epoch_seeds.flat_map(chunks_of_epoch).skip(start.chunk).enumerate()
 
@@ -357,7 +357,7 @@ def _boundary_for(positions: tf.Tensor, boundary_table: tf.Tensor) -> tf.Tensor:
 
 def _with_marker(values: tf.Tensor, starts: tf.Tensor, lengths: tf.Tensor, width: tf.Tensor,
                  marker: int, *, first: bool) -> tf.Tensor:
-    """Dense int32 ``[B, width]``: each row's ids (``values[start:start + length]``) with
+    """Dense ``[B, width]`` of the values' dtype: each row's ids (``values[start:start + length]``) with
     ``marker`` before them (``first``) or after them, then PAD."""
     positions = tf.range(width, dtype=tf.int64)[tf.newaxis, :]
     lengths = lengths[:, tf.newaxis]

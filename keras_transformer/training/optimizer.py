@@ -90,7 +90,7 @@ class FusedAdam(keras.optimizers.Adam):
         `gradient_accumulation_steps` runs this inside a `tf.cond` branch, a graph of its
         own. A Keras-private method (Keras 3.15): if Keras stops calling it, the graphs stay
         and tests/kernels/test_custom_gradient.py fails."""
-        self._shared_scalars = _SharedScalars()  # filled by `update_step`, for this update
+        self._shared_scalars = _SharedScalars()  # filled by `_adam_scalars`, for this update
         try:
             super()._backend_update_step(grads, trainable_variables, learning_rate)
         finally:
@@ -123,7 +123,7 @@ class FusedAdam(keras.optimizers.Adam):
 
         dtype = variable.dtype
         shared = getattr(self, "_shared_scalars", None)  # None: outside `_backend_update_step`
-        key = (tf.compat.v1.get_default_graph(), variable.device, dtype)
+        key = (tf.compat.v1.get_default_graph(), variable.device, dtype, id(learning_rate))
         if shared is not None and key in shared.by_key:
             return shared.by_key[key]
         step = tf.cast(self.iterations + 1, dtype)
@@ -138,8 +138,8 @@ class FusedAdam(keras.optimizers.Adam):
 
 
 class _SharedScalars:
-    """`FusedAdam._adam_scalars` of one update, by (graph, device, dtype). A class, not a
-    dict: Keras would track a dict assigned to the optimizer as part of its state."""
+    """`FusedAdam._adam_scalars` of one update, by (graph, device, dtype, learning rate). A
+    plain object: Keras would wrap a dict assigned to the optimizer in its tracking."""
 
     def __init__(self):
         self.by_key: dict = {}
