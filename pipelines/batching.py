@@ -168,10 +168,10 @@ def chunk_stream(
     def assemble(tensors, batch_range):
         source_values, source_splits, target_values, target_splits, order = tensors
         rows = order[batch_range[0]:batch_range[1]]
-        # Dense ops only: the ragged gather, concat and pad this replaces built ~10x the
-        # graph, and each pipeline's functions are traced again at every start (BENCHMARKS.md).
-        source_starts, source_lengths = _rows_of(source_splits, rows)
-        target_starts, target_lengths = _rows_of(target_splits, rows)
+        # The batch's rows gathered, then dense ops: the ragged concat and pad they replace
+        # built ~10x the graph, traced again at every pipeline's start (BENCHMARKS.md).
+        source_ids, source_starts, source_lengths = _rows_of(source_values, source_splits, rows)
+        target_ids, target_starts, target_lengths = _rows_of(target_values, target_splits, rows)
         # One marker (EOS or BOS) per sequence: S = longest source + 1, T = longest target + 1.
         source_longest = tf.reduce_max(source_lengths) + 1
         target_longest = tf.reduce_max(target_lengths) + 1
@@ -181,11 +181,11 @@ def chunk_stream(
         else:
             source_width = _boundary_for(source_longest, boundary_table)
             target_width = _boundary_for(target_longest, boundary_table)
-        source_in = _with_marker(source_values, source_starts, source_lengths, source_width,
+        source_in = _with_marker(source_ids, source_starts, source_lengths, source_width,
                                  EOS_ID, first=False)
-        target_in = _with_marker(target_values, target_starts, target_lengths, target_width,
+        target_in = _with_marker(target_ids, target_starts, target_lengths, target_width,
                                  BOS_ID, first=True)
-        labels = _with_marker(target_values, target_starts, target_lengths, target_width,
+        labels = _with_marker(target_ids, target_starts, target_lengths, target_width,
                               EOS_ID, first=False)
         if static_budget is not None:  # all-PAD rows up to budget // width
             missing = static_budget // width - tf.shape(rows, out_type=tf.int64)[0]
@@ -343,11 +343,13 @@ def _chunk_order(num_chunks: int, seed: int, epoch, shuffle: bool) -> tf.Tensor:
         chunks, tf.stack([tf.constant(seed, tf.int64), epoch]), alg=_RNG)
 
 
-def _rows_of(splits: tf.Tensor, rows: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """Where ``rows`` of a ragged tensor's ``splits`` start in its values, and their
-    lengths: two int64 ``[B]``."""
-    starts = tf.gather(splits, rows)
-    return starts, tf.gather(splits, rows + 1) - starts
+def _rows_of(values: tf.Tensor, splits: tf.Tensor, rows: tf.Tensor
+             ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The ids of ``rows`` of a ragged tensor (its ``values`` and ``splits``), one row after
+    another, with where each row starts among them and its length (int64 ``[B]``): the
+    batch's ids only, so that the dense ops after it never copy the whole chunk's."""
+    batch = tf.gather(tf.RaggedTensor.from_row_splits(values, splits, validate=False), rows)
+    return batch.values, batch.row_starts(), batch.row_lengths()
 
 
 def _boundary_for(positions: tf.Tensor, boundary_table: tf.Tensor) -> tf.Tensor:
@@ -357,8 +359,8 @@ def _boundary_for(positions: tf.Tensor, boundary_table: tf.Tensor) -> tf.Tensor:
 
 def _with_marker(values: tf.Tensor, starts: tf.Tensor, lengths: tf.Tensor, width: tf.Tensor,
                  marker: int, *, first: bool) -> tf.Tensor:
-    """Dense ``[B, width]`` of the values' dtype: each row's ids (``values[start:start + length]``) with
-    ``marker`` before them (``first``) or after them, then PAD."""
+    """Dense ``[B, width]`` of the values' dtype: each row's ids (``values[start:start +
+    length]``) with ``marker`` before them (``first``) or after them, then PAD."""
     positions = tf.range(width, dtype=tf.int64)[tf.newaxis, :]
     lengths = lengths[:, tf.newaxis]
     offsets = positions - 1 if first else positions  # the row's id at each position
