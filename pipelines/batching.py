@@ -124,7 +124,7 @@ def chunk_stream(
         epoch_seeds = epoch_seeds.take(0)
 
     # The functions below are traced as written (no AutoGraph: no tensor decides any Python
-    # `if`): converting them cost ~0.7 s of every process's first pipeline (BENCHMARKS.md).
+    # `if`): converting them cost ~0.8 s of every process's first pipeline (BENCHMARKS.md).
     @_as_written
     def chunks_of_epoch(epoch):
         order = _chunk_order(num_chunks, seed, epoch, shuffle)
