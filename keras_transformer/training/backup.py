@@ -39,6 +39,7 @@ from keras_transformer.training.checkpoints import (
     list_checkpoints,
     save_model_weights,
 )
+from keras_transformer.training.weights_walk import WeightsWalk
 from pipelines import storage
 
 KEEP = 2  # generations kept: the newest, and the one before it for when it is damaged
@@ -93,7 +94,8 @@ def list_generations(backup_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, Any],
-                 checkpoints: dict[str, dict[str, int]]) -> None:
+                 checkpoints: dict[str, dict[str, int]],
+                 walk: WeightsWalk | None = None) -> None:
     """Writes the generation of `state["step"]` and removes those beyond `KEEP`.
 
     Args:
@@ -102,6 +104,7 @@ def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, An
         state: what a resumed run needs (`RunCheckpointer.state`); must hold "step".
         checkpoints: the checkpoint files kept now, name -> {"bytes", "crc32"}, recorded so
             that a restore can tell damaged or later checkpoints apart.
+        walk: the `WeightsWalk` of a model backed up again and again.
 
     Raises:
         StorageError: the disk is full or failing; the earlier generations are untouched.
@@ -114,7 +117,8 @@ def write_backup(model: keras.Model, backup_dir: str | Path, state: dict[str, An
     staging.mkdir()
     final = generation_dir(backup_dir, step)
     try:
-        weights = save_model_weights(model, staging / WEIGHTS_FILE, include_optimizer=True)
+        weights = save_model_weights(model, staging / WEIGHTS_FILE, include_optimizer=True,
+                                     walk=walk)
         storage.write_json(staging / STATE_FILE,
                            {**state, "weights": weights, "checkpoints": checkpoints,
                             SEEDS_KEY: random_states(model)})

@@ -29,6 +29,7 @@ from keras_transformer.training.checkpoints import (
     weights_file_bytes,
     write_weights_file,
 )
+from keras_transformer.training.weights_walk import WeightsWalk
 from pipelines import storage
 from pipelines.constants import PAD_ID
 
@@ -335,6 +336,8 @@ class RunCheckpointer(keras.callbacks.Callback):
         # checkpoints (--max-minutes, then a larger limit) ends its intervals off the grid,
         # so a checkpoint is due where a multiple of checkpoint_every was passed, not hit.
         self.last_step = int(state.get("step", 0))
+        # Checkpoints, the best file and backups save the same model: walk it once.
+        self.weights_walk = WeightsWalk()
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
@@ -350,7 +353,7 @@ class RunCheckpointer(keras.callbacks.Callback):
         weights = None  # the checkpoint's bytes: the best file, if due, is the same file
         if passed or self.model.stop_training:
             path = checkpoint_path(self.checkpoint_dir, step)
-            weights = weights_file_bytes(self.model)
+            weights = weights_file_bytes(self.model, walk=self.weights_walk)
             self.checkpoints[path.name] = write_weights_file(path, weights)
             self._remove_old_checkpoints()
         val_loss = logs.get("val_loss")
@@ -359,7 +362,7 @@ class RunCheckpointer(keras.callbacks.Callback):
                 self.best_val_loss, self.best_step = float(val_loss), step
                 self.bad_validations = 0
                 if weights is None:
-                    weights = weights_file_bytes(self.model)
+                    weights = weights_file_bytes(self.model, walk=self.weights_walk)
                 self.checkpoints[BEST_FILE] = write_weights_file(
                     self.checkpoint_dir / BEST_FILE, weights)
             else:
@@ -375,7 +378,7 @@ class RunCheckpointer(keras.callbacks.Callback):
                 self.best_before_cooldown = self.best_step
         # The backup last, so that a restart never sees a backup ahead of the checkpoints.
         backup.write_backup(self.model, self.backup_dir, self.state(epoch + 1, step),
-                            self.checkpoints)
+                            self.checkpoints, walk=self.weights_walk)
 
     def _remove_old_checkpoints(self) -> None:
         # The newest `keep`, and those around the best step so far (and before the

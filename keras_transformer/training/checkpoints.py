@@ -30,8 +30,8 @@ from pathlib import Path
 import h5py
 import keras
 import numpy as np
-from keras.src.saving import saving_lib
 
+from keras_transformer.training.weights_walk import WeightsWalk
 from pipelines import storage
 
 LAST = "last"
@@ -46,8 +46,8 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"ckpt-{step:08d}.weights.h5"
 
 
-def save_model_weights(model: keras.Model, path: str | Path,
-                       include_optimizer: bool = False) -> dict[str, int]:
+def save_model_weights(model: keras.Model, path: str | Path, include_optimizer: bool = False,
+                       walk: WeightsWalk | None = None) -> dict[str, int]:
     """Saves the model's weights as a Keras `.weights.h5` (what `model.load_weights` reads),
     made in memory and written durably and atomically.
 
@@ -56,6 +56,7 @@ def save_model_weights(model: keras.Model, path: str | Path,
         path: the file to write.
         include_optimizer: also save the optimizer's variables (its step count included),
             three times the size: what a resumed run needs.
+        walk: for a model saved again and again, the `WeightsWalk` that walks it once.
 
     Returns:
         {"bytes": size, "crc32": checksum} of the file written.
@@ -63,26 +64,17 @@ def save_model_weights(model: keras.Model, path: str | Path,
     Raises:
         StorageError: the disk is full or failing (`path` is untouched).
     """
-    return write_weights_file(path, weights_file_bytes(model, include_optimizer))
+    return write_weights_file(path, weights_file_bytes(model, include_optimizer, walk))
 
 
-def weights_file_bytes(model: keras.Model, include_optimizer: bool = False) -> memoryview:
+def weights_file_bytes(model: keras.Model, include_optimizer: bool = False,
+                       walk: WeightsWalk | None = None) -> memoryview:
     """The bytes of the `.weights.h5` file that `save_model_weights` writes (arguments as
     there): to write the same weights to several files, make them once."""
-    # Private Keras API, on purpose (checked against Keras 3.15.1): this is the body of
-    # `keras.src.saving.saving_lib.save_weights_only`, which `model.save_weights` calls, but
-    # writing to an in-memory buffer (the public call takes only a path ending in .weights.h5
-    # and writes it with HDF5's own writer: not atomic, and unsafe on a full disk) and
-    # leaving the optimizer out (the public call always saves it). The file is the same
-    # `.weights.h5` format that `model.load_weights` reads. Recheck on a Keras upgrade.
-    buffer = io.BytesIO()
-    store = saving_lib.H5IOStore(buffer, mode="w")
-    optimizer = getattr(model, "optimizer", None)
-    skipped = {id(optimizer)} if optimizer is not None and not include_optimizer else set()
-    saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
-                           visited_saveables=skipped)
-    store.close()
-    return buffer.getbuffer()
+    # Keras' own `model.save_weights` takes only a path ending in .weights.h5 and writes it
+    # with HDF5's own writer (not atomic, and unsafe on a full disk), and always saves the
+    # optimizer: `WeightsWalk` makes the same file in memory, with or without it.
+    return (walk or WeightsWalk()).file_bytes(model, include_optimizer)
 
 
 def write_weights_file(path: str | Path, data: memoryview) -> dict[str, int]:

@@ -25,6 +25,7 @@ from keras_transformer.training.checkpoints import (
     averaging_windows,
     list_checkpoints,
 )
+from keras_transformer.training.weights_walk import WeightsWalk
 
 BEST = "best checkpoint"
 
@@ -104,14 +105,15 @@ def choose_final_weights(model: keras.Model, checkpoint_dir: str | Path, best_st
     best_file = checkpoint_dir / "best.weights.h5"
     if best_file.is_file() and best_step is not None and best_step >= 0:
         candidates.append({"name": BEST, "steps": [best_step], "file": best_file})
+    walk = WeightsWalk()  # each candidate loaded into the same model: walk it once
     for candidate in candidates:
-        model.load_weights(candidate["file"])
+        walk.load(model, candidate["file"])
         candidate[key] = float(criterion.score(model))
     # On a tie the earlier candidate (an average before the best checkpoint): min and max
     # both return the first of equal scores.
     best = max if criterion.higher_is_better else min
     chosen = best(candidates, key=lambda candidate: candidate[key])
-    model.load_weights(chosen["file"])
+    walk.load(model, chosen["file"])
     for candidate in candidates:
         if candidate["file"] != best_file:
             candidate["file"].unlink(missing_ok=True)

@@ -1,0 +1,131 @@
+"""A model's `.weights.h5` files saved and loaded by Keras' own walk over it, made once.
+
+Keras saves a model's weights (`model.save_weights`, `model.load_weights`) by walking the
+model to find every object that owns state (layers, the optimizer): `dir()` and `getattr`
+on each object, then each found object saves or loads its own variables. For the small
+models of tests and short runs the walk is most of the cost, and a run saves and loads the
+same model many times: a checkpoint and a backup at each interval, then every candidate
+average loaded to be scored on val (paper 6.1 averages the last 5 checkpoints). A
+`WeightsWalk` records the walk once (which objects, under which paths, in which order) and
+replays it: each object saves or loads its own variables as Keras' walk asks it to, so the
+files are Keras' byte for byte (tests/training/test_weights_walk.py). The recorded walk is
+made again whenever the model's variables or its optimizer change (an optimizer built on
+the first step, a recompile).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import keras
+from keras.src.saving import saving_lib
+
+# One object Keras' walk found: (the object, its path in the file, the metadata Keras gives
+# its group).
+_Visit = tuple[object, str, dict | None]
+
+
+class WeightsWalk:
+    """Saves and loads one model's `.weights.h5` files as Keras does, walking it once.
+
+    Hold one for a model that is saved or loaded repeatedly; each call checks that the
+    recorded walk still fits the model (same variables, same optimizer) and records it
+    again when not.
+    """
+
+    def __init__(self):
+        # include_optimizer -> (what the walk was recorded for, the objects in its order)
+        self._walks: dict[bool, tuple[tuple, list[_Visit]]] = {}
+
+    def file_bytes(self, model: keras.Model, include_optimizer: bool = False) -> memoryview:
+        """The bytes of the `.weights.h5` file Keras' `save_weights` writes for `model`
+        (without the optimizer's variables unless `include_optimizer`)."""
+        fits = _what_the_walk_depends_on(model)
+        recorded = self._walks.get(include_optimizer)
+        if recorded is None or recorded[0] != fits or recorded[1] is None:
+            visits, data = _walk_and_save(model, include_optimizer)
+            self._walks[include_optimizer] = (fits, visits)
+            return data
+        buffer = io.BytesIO()
+        store = saving_lib.H5IOStore(buffer, mode="w")
+        for saveable, path, metadata in recorded[1]:
+            saveable.save_own_variables(store.make(path, metadata=metadata))
+        store.close()
+        return buffer.getbuffer()
+
+    def load(self, model: keras.Model, path: str | Path) -> None:
+        """`model.load_weights(path)` for a `.weights.h5` file. A file that does not fit the
+        model is left to `model.load_weights`, which names what is missing or mismatched,
+        and so is a model holding part of an accumulated update (its own `load_weights`
+        discards it)."""
+        if not getattr(model, "pending_micro_batches", 0):
+            fits = _what_the_walk_depends_on(model)
+            recorded = self._walks.get(True)
+            if recorded is None or recorded[0] != fits:
+                recorded = (fits, _walk_and_save(model, include_optimizer=True)[0])
+                self._walks[True] = recorded
+            if recorded[1] is not None and _replay_load(recorded[1], path):
+                return
+        model.load_weights(path)
+
+
+def _what_the_walk_depends_on(model: keras.Model) -> tuple:
+    """What a recorded walk is valid for: the model, its optimizer and all their variables
+    (an optimizer builds its variables on the first step; a recompile replaces it)."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.weights)
+    if optimizer is not None:
+        variables += optimizer.variables
+    return id(model), id(optimizer), tuple(id(variable) for variable in variables)
+
+
+def _replay_load(visits: list[_Visit], path: str | Path) -> bool:
+    """Loads each visited object's variables from `path` as Keras' `_load_state` walk does
+    (it visits the objects of a save walk that skips nothing, in the same order); False if
+    one of them could not load (the file does not fit the model)."""
+    store = saving_lib.H5IOStore(Path(path), mode="r")
+    try:
+        for saveable, inner_path, _ in visits:
+            saveable.load_own_variables(store.get(inner_path))
+    except Exception:  # noqa: BLE001 - the caller lets Keras' own load raise its error
+        return False
+    finally:
+        store.close()
+    return True
+
+
+class _RecordingStore(saving_lib.H5IOStore):
+    """Keras' in-memory H5 store that also notes which object each group is made for."""
+
+    def __init__(self):
+        super().__init__(io.BytesIO(), mode="w")
+        self.visits: list[_Visit] | None = []
+
+    def make(self, path, metadata=None):
+        # Private Keras API, on purpose (checked against Keras 3.15.1): `_save_state(saveable,
+        # ...)` calls `saveable.save_own_variables(store.make(path, metadata))` for each
+        # object of its walk, so its frame names the object. Called otherwise, nothing is
+        # recorded, and every save and load walks the model again.
+        caller = sys._getframe(1)
+        saveable = caller.f_locals.get("saveable")
+        if caller.f_code is not saving_lib._save_state.__code__ or saveable is None:
+            self.visits = None
+        elif self.visits is not None:
+            self.visits.append((saveable, path, dict(metadata) if metadata else None))
+        return super().make(path, metadata=metadata)
+
+
+def _walk_and_save(model: keras.Model,
+                   include_optimizer: bool) -> tuple[list[_Visit] | None, memoryview]:
+    """Keras' `save_weights` into memory (the body of `saving_lib.save_weights_only`, which
+    takes only a path), recording the objects its walk visits in their order: (the visits,
+    or None where they could not be recorded; the file's bytes)."""
+    optimizer = getattr(model, "optimizer", None)
+    skipped = {id(optimizer)} if optimizer is not None and not include_optimizer else set()
+    store = _RecordingStore()
+    saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
+                           visited_saveables=skipped)
+    store.close()
+    return store.visits, store.path_or_io.getbuffer()
