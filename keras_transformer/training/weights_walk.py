@@ -2,15 +2,16 @@
 
 Keras saves a model's weights (`model.save_weights`, `model.load_weights`) by walking the
 model to find every object that owns state (layers, the optimizer): `dir()` and `getattr`
-on each object, then each found object saves or loads its own variables. For the small
-models of tests and short runs the walk is most of the cost, and a run saves and loads the
-same model many times: a checkpoint and a backup at each interval, then every candidate
-average loaded to be scored on val (paper 6.1 averages the last 5 checkpoints). A
-`WeightsWalk` records the walk once (which objects, under which paths, in which order) and
-replays it: each object saves or loads its own variables as Keras' walk asks it to, so the
-files are Keras' byte for byte (tests/training/test_weights_walk.py). The recorded walk is
-made again whenever the model's variables or its optimizer change (an optimizer built on
-the first step, a recompile).
+on each object, then each found object saves or loads its own variables. For small models
+the walk is most of a file's cost (60% of saving a `tiny` trainer's weights, 36% of loading
+them: BENCHMARKS.md, "Keras' walk recorded once"), and a run saves and loads the same model
+many times: a checkpoint and a backup at each interval, then every candidate average loaded
+to be scored on val (paper 6.1 averages the last 5 checkpoints). A `WeightsWalk` records the
+walk once (which objects, under which paths, in which order) and replays it: each object
+saves or loads its own variables as Keras' walk asks it to, so the files are Keras' byte for
+byte (tests/training/test_weights_walk.py). The walk is recorded again whenever the model's
+layers or variables or its optimizer change (an optimizer built on the first step, a
+recompile).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import keras
 from keras.src.saving import saving_lib
+
+from keras_transformer.training.trainer_model import TransformerTrainer
 
 # One object Keras' walk found: (the object, its path in the file, the metadata Keras gives
 # its group).
@@ -36,8 +39,11 @@ class WeightsWalk:
     """
 
     def __init__(self):
-        # include_optimizer -> (what the walk was recorded for, the objects in its order)
-        self._walks: dict[bool, tuple[tuple, list[_Visit]]] = {}
+        # include_optimizer -> (what the walk was recorded for, the objects in its order, or
+        # None if it could not be recorded). The visits hold their objects (strongly, on
+        # purpose): while recorded, none of them can be freed, so no other object can take
+        # an id that `_what_the_walk_depends_on` compares.
+        self._walks: dict[bool, tuple[tuple, list[_Visit] | None]] = {}
 
     def file_bytes(self, model: keras.Model, include_optimizer: bool = False) -> memoryview:
         """The bytes of the `.weights.h5` file Keras' `save_weights` writes for `model`
@@ -45,7 +51,7 @@ class WeightsWalk:
         fits = _what_the_walk_depends_on(model)
         recorded = self._walks.get(include_optimizer)
         if recorded is None or recorded[0] != fits or recorded[1] is None:
-            visits, data = _walk_and_save(model, include_optimizer)
+            visits, data = _walk(model, include_optimizer)
             self._walks[include_optimizer] = (fits, visits)
             return data
         buffer = io.BytesIO()
@@ -56,15 +62,18 @@ class WeightsWalk:
         return buffer.getbuffer()
 
     def load(self, model: keras.Model, path: str | Path) -> None:
-        """`model.load_weights(path)` for a `.weights.h5` file. A file that does not fit the
-        model is left to `model.load_weights`, which names what is missing or mismatched,
-        and so is a model holding part of an accumulated update (its own `load_weights`
-        discards it)."""
-        if not getattr(model, "pending_micro_batches", 0):
+        """`model.load_weights(path)` for a `.weights.h5` file. Left to `model.load_weights`:
+        a file that does not fit the model (Keras names what is missing or mismatched),
+        another kind of file, a model holding part of an accumulated update (its own
+        `load_weights` discards it) and a model whose class loads in its own way."""
+        own_load = type(model).load_weights in (keras.Model.load_weights,
+                                                TransformerTrainer.load_weights)
+        if (own_load and str(path).endswith(".weights.h5") and Path(path).is_file()
+                and not getattr(model, "pending_micro_batches", 0)):
             fits = _what_the_walk_depends_on(model)
             recorded = self._walks.get(True)
             if recorded is None or recorded[0] != fits:
-                recorded = (fits, _walk_and_save(model, include_optimizer=True)[0])
+                recorded = (fits, _walk(model, include_optimizer=True, save=False)[0])
                 self._walks[True] = recorded
             if recorded[1] is not None and _replay_load(recorded[1], path):
                 return
@@ -78,18 +87,26 @@ def _what_the_walk_depends_on(model: keras.Model) -> tuple:
     variables = list(model.weights)
     if optimizer is not None:
         variables += optimizer.variables
-    return id(model), id(optimizer), tuple(id(variable) for variable in variables)
+    # Layers too: one without variables (a dropout) still has its group in the file.
+    layers = model._flatten_layers(include_self=False)  # private Keras, as Keras' own walk
+    return (id(model), id(optimizer), tuple(id(variable) for variable in variables),
+            tuple((id(layer), layer.name) for layer in layers))
 
 
 def _replay_load(visits: list[_Visit], path: str | Path) -> bool:
-    """Loads each visited object's variables from `path` as Keras' `_load_state` walk does
-    (it visits the objects of a save walk that skips nothing, in the same order); False if
-    one of them could not load (the file does not fit the model)."""
-    store = saving_lib.H5IOStore(Path(path), mode="r")
+    """Loads each visited object's variables from `path` as Keras' `_load_state` walk does;
+    False if one of them could not load (the file does not fit the model)."""
+    # Private Keras API, on purpose (checked against Keras 3.15.1; recheck on an upgrade):
+    # `_load_state` visits the objects of a save walk that skips nothing, in the same order,
+    # and asks each `load_own_variables(store.get(path))`, as here.
+    try:
+        store = saving_lib.H5IOStore(Path(path), mode="r")
+    except Exception:  # noqa: BLE001 - the caller lets Keras' own load raise its error
+        return False
     try:
         for saveable, inner_path, _ in visits:
             saveable.load_own_variables(store.get(inner_path))
-    except Exception:  # noqa: BLE001 - the caller lets Keras' own load raise its error
+    except Exception:  # noqa: BLE001 - as above
         return False
     finally:
         store.close()
@@ -99,8 +116,9 @@ def _replay_load(visits: list[_Visit], path: str | Path) -> bool:
 class _RecordingStore(saving_lib.H5IOStore):
     """Keras' in-memory H5 store that also notes which object each group is made for."""
 
-    def __init__(self):
+    def __init__(self, save: bool):
         super().__init__(io.BytesIO(), mode="w")
+        self.save = save  # False: only the walk is wanted, not the file
         self.visits: list[_Visit] | None = []
 
     def make(self, path, metadata=None):
@@ -116,15 +134,20 @@ class _RecordingStore(saving_lib.H5IOStore):
             self.visits.append((saveable, path, dict(metadata) if metadata else None))
         return super().make(path, metadata=metadata)
 
+    def __setitem__(self, key, value):
+        if self.save:
+            super().__setitem__(key, value)
 
-def _walk_and_save(model: keras.Model,
-                   include_optimizer: bool) -> tuple[list[_Visit] | None, memoryview]:
+
+def _walk(model: keras.Model, include_optimizer: bool,
+          save: bool = True) -> tuple[list[_Visit] | None, memoryview]:
     """Keras' `save_weights` into memory (the body of `saving_lib.save_weights_only`, which
     takes only a path), recording the objects its walk visits in their order: (the visits,
-    or None where they could not be recorded; the file's bytes)."""
+    or None where they could not be recorded; the file's bytes, or no arrays unless
+    `save`)."""
     optimizer = getattr(model, "optimizer", None)
     skipped = {id(optimizer)} if optimizer is not None and not include_optimizer else set()
-    store = _RecordingStore()
+    store = _RecordingStore(save)
     saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
                            visited_saveables=skipped)
     store.close()

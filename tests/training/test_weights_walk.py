@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from keras.src.saving import saving_lib
 
+from keras_transformer.model.transformer import build_transformer
+from keras_transformer.training import weights_walk
 from keras_transformer.training.losses import GlobalTokenCrossEntropy
 from keras_transformer.training.optimizer import paper_adam
 from keras_transformer.training.trainer_model import build_trainer
@@ -43,34 +45,58 @@ def _contents(source) -> dict[str, object]:
 
 
 def _state(model: keras.Model) -> list[np.ndarray]:
-    return [np.array(v) for v in model.weights + model.optimizer.variables]
+    optimizer = getattr(model, "optimizer", None)
+    return [np.array(v) for v in model.weights + (optimizer.variables if optimizer else [])]
+
+
+def _batch() -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(0)
+    source = rng.integers(4, VOCAB, (4, 6)).astype("int32")
+    target = rng.integers(4, VOCAB, (4, 7)).astype("int32")
+    return {"source": source, "target": target[:, :-1]}, target[:, 1:]
 
 
 @pytest.fixture
 def trainer():
-    """A tiny trainer compiled, not yet trained (its optimizer has no variables), and a
-    batch to train it on."""
+    """A tiny trainer accumulating 2 micro-batches an update (which builds its optimizer
+    at compile), and a batch to train it on."""
     keras.utils.set_random_seed(0)
     model = build_trainer("tiny", vocab_size=VOCAB, dtype="mixed_bfloat16")
     model.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1), accumulate_steps=2)
-    rng = np.random.default_rng(0)
-    source = rng.integers(4, VOCAB, (4, 6)).astype("int32")
-    target = rng.integers(4, VOCAB, (4, 7)).astype("int32")
-    batch = ({"source": source, "target": target[:, :-1]}, target[:, 1:])
-    return model, batch
+    return model, _batch()
 
 
-def test_files_are_keras_own_before_and_after_the_optimizer_is_built(trainer, tmp_path):
-    model, (features, labels) = trainer
+@pytest.fixture
+def walks(monkeypatch) -> list[bool]:
+    """Each time a `WeightsWalk` walks a model, whether it saved the arrays too."""
+    made = []
+    record = weights_walk._walk
+
+    def counted(model, include_optimizer, save=True):
+        made.append(save)
+        return record(model, include_optimizer, save)
+
+    monkeypatch.setattr(weights_walk, "_walk", counted)
+    return made
+
+
+def test_files_are_keras_own_before_and_after_the_optimizer_is_built(walks, tmp_path):
+    keras.utils.set_random_seed(0)
+    model = build_trainer("tiny", vocab_size=VOCAB)
+    model.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1))
+    features, labels = _batch()
     walk = WeightsWalk()
     for include_optimizer in (True, False):  # recorded before the first step
         assert bytes(walk.file_bytes(model, include_optimizer)) == _keras_bytes(
             model, include_optimizer)
-    for _ in range(2):  # the optimizer's variables appear: recorded again, then replayed
-        model.fit(features, labels, batch_size=2, verbose=0)
+    unbuilt = len(model.optimizer.variables)  # its step counter only
+    assert len(walks) == 2
+    for round_ in range(2):  # the optimizer's variables appear: recorded again, then replayed
+        model.fit(features, labels, verbose=0)
         for include_optimizer in (True, False):
             data = bytes(walk.file_bytes(model, include_optimizer))
             assert data == _keras_bytes(model, include_optimizer)
+        assert len(walks) == 4 and len(model.optimizer.variables) > unbuilt, round_
     # What Keras' own save_weights writes to a path holds the same groups and arrays.
     path = tmp_path / "keras.weights.h5"
     model.save_weights(path)
@@ -78,29 +104,44 @@ def test_files_are_keras_own_before_and_after_the_optimizer_is_built(trainer, tm
     assert any(name.startswith("optimizer/") for name in _contents(path))
 
 
-def test_a_recompiled_model_is_walked_again(trainer):
+def test_a_recompiled_model_is_walked_again(trainer, tmp_path):
     model, (features, labels) = trainer
     walk = WeightsWalk()
     model.fit(features, labels, batch_size=2, verbose=0)
     before = bytes(walk.file_bytes(model, True))
+    assert bytes(walk.file_bytes(model, True)) == _keras_bytes(model, True)  # replayed
     model.compile(keras.optimizers.SGD(0.1), loss=GlobalTokenCrossEntropy(0.1))
     model.fit(features, labels, batch_size=2, verbose=0)
     after = bytes(walk.file_bytes(model, True))
     assert after == _keras_bytes(model, True) and after != before
+    # Keras' own file of this model, loaded by a fresh walk into a model of the same
+    # architecture without an optimizer.
+    path = tmp_path / "keras.weights.h5"
+    model.save_weights(path)
+    plain, by_keras = (build_transformer("tiny", vocab_size=VOCAB, dtype="mixed_bfloat16")
+                       for _ in range(2))
+    plain(features), by_keras(features)
+    WeightsWalk().load(plain, path)
+    by_keras.load_weights(path)
+    assert all(np.array_equal(a, b) for a, b in zip(_state(plain), _state(by_keras),
+                                                    strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(
+        _state(plain), _state(build_transformer("tiny", vocab_size=VOCAB)), strict=True))
 
 
-def test_loads_as_keras_load_weights(trainer, tmp_path):
+def test_loads_as_keras_load_weights(trainer, tmp_path, walks):
     model, (features, labels) = trainer
     model.fit(features, labels, batch_size=2, verbose=0)
-    walk = WeightsWalk()
     path = tmp_path / "a.weights.h5"
-    path.write_bytes(walk.file_bytes(model, True))
+    model.save_weights(path)
     saved = _state(model)
-    for _ in range(2):  # recorded on the first load, replayed on the second
+    walk = WeightsWalk()
+    for _ in range(2):  # recorded (without writing the arrays) on the first load
         model.fit(features, labels, batch_size=2, verbose=0)
         assert any(not np.array_equal(a, b) for a, b in zip(saved, _state(model), strict=True))
         walk.load(model, path)
         assert all(np.array_equal(a, b) for a, b in zip(saved, _state(model), strict=True))
+    assert walks == [False]
     # Half of an accumulated update is discarded, as the trainer's own load_weights does.
     model.train_on_batch(features, labels)
     assert model.pending_micro_batches == 1
@@ -119,7 +160,7 @@ def test_a_file_that_does_not_fit_gets_keras_own_error(trainer, tmp_path):
     with pytest.raises(ValueError) as keras_error:
         model.load_weights(path)
     walk = WeightsWalk()
-    walk.file_bytes(model, True)  # a recorded walk: the replayed load fails, then Keras'
+    walk.file_bytes(model, True)  # a recorded walk: its load fails, then Keras' raises
     with pytest.raises(ValueError) as ours:
         walk.load(model, path)
     assert str(ours.value) == str(keras_error.value)
