@@ -2,8 +2,9 @@
 
 A preset's trainer (compiled with the paper's Adam, one step taken so that the optimizer
 has its variables) is saved `--files` times with and without the optimizer, and loaded
-`--files` times, by Keras' own walk (`saving_lib._save_state`, `model.load_weights`) and
-by a `WeightsWalk`, alternating; prints one JSON line with the median CPU seconds of each.
+`--files` times, by Keras' own walk (a fresh `WeightsWalk` each time, `model.load_weights`)
+and by one `WeightsWalk` that recorded it, alternating; prints one JSON line with the
+median CPU seconds of each.
 
     python benchmarks/weights_walk.py --preset tiny --files 9
 """
@@ -11,7 +12,6 @@ by a `WeightsWalk`, alternating; prints one JSON line with the median CPU second
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import keras
     import numpy as np
-    from keras.src.saving import saving_lib
 
     from keras_transformer.training.losses import GlobalTokenCrossEntropy
     from keras_transformer.training.optimizer import paper_adam
@@ -49,13 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     model.fit({"source": source, "target": target[:, :-1]}, target[:, 1:], verbose=0)
 
     def keras_bytes(include_optimizer: bool) -> memoryview:
-        buffer = io.BytesIO()
-        store = saving_lib.H5IOStore(buffer, mode="w")
-        skipped = set() if include_optimizer else {id(model.optimizer)}
-        saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
-                               visited_saveables=skipped)
-        store.close()
-        return buffer.getbuffer()
+        # A fresh WeightsWalk walks the model as Keras does (what a one-off save costs).
+        return WeightsWalk().file_bytes(model, include_optimizer)
 
     def cpu(call) -> float:
         started = time.process_time()
