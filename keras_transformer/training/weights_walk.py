@@ -34,8 +34,8 @@ class WeightsWalk:
     """Saves and loads one model's `.weights.h5` files as Keras does, walking it once.
 
     Hold one for a model that is saved or loaded repeatedly; each call checks that the
-    recorded walk still fits the model (same variables, same optimizer) and records it
-    again when not.
+    recorded walk still fits the model (same layers, variables and optimizer) and records
+    it again when not.
     """
 
     def __init__(self):
@@ -48,15 +48,12 @@ class WeightsWalk:
     def file_bytes(self, model: keras.Model, include_optimizer: bool = False) -> memoryview:
         """The bytes of the `.weights.h5` file Keras' `save_weights` writes for `model`
         (without the optimizer's variables unless `include_optimizer`)."""
-        fits = _what_the_walk_depends_on(model)
-        recorded = self._walks.get(include_optimizer)
-        if recorded is None or recorded[0] != fits or recorded[1] is None:
-            visits, data = _walk(model, include_optimizer)
-            self._walks[include_optimizer] = (fits, visits)
+        visits, data = self._recorded(model, include_optimizer, save=True)
+        if data is not None:  # just recorded: the walk saved the file as it went
             return data
         buffer = io.BytesIO()
         store = saving_lib.H5IOStore(buffer, mode="w")
-        for saveable, path, metadata in recorded[1]:
+        for saveable, path, metadata in visits:
             saveable.save_own_variables(store.make(path, metadata=metadata))
         store.close()
         return buffer.getbuffer()
@@ -70,19 +67,29 @@ class WeightsWalk:
                                                 TransformerTrainer.load_weights)
         if (own_load and str(path).endswith(".weights.h5") and Path(path).is_file()
                 and not getattr(model, "pending_micro_batches", 0)):
-            fits = _what_the_walk_depends_on(model)
-            recorded = self._walks.get(True)
-            if recorded is None or recorded[0] != fits:
-                recorded = (fits, _walk(model, include_optimizer=True, save=False)[0])
-                self._walks[True] = recorded
-            if recorded[1] is not None and _replay_load(recorded[1], path):
+            visits, _ = self._recorded(model, include_optimizer=True, save=False)
+            if visits is not None and _replay_load(visits, path):
                 return
         model.load_weights(path)
 
+    def _recorded(self, model: keras.Model, include_optimizer: bool,
+                  save: bool) -> tuple[list[_Visit] | None, memoryview | None]:
+        """The walk recorded for `model`, recorded now if there is none that fits: (its
+        visits, or None if it cannot be recorded; the file's bytes if it was walked now
+        with `save`, else None)."""
+        fits = _what_the_walk_depends_on(model)
+        recorded = self._walks.get(include_optimizer)
+        if recorded is not None and recorded[0] == fits and recorded[1] is not None:
+            return recorded[1], None
+        visits, data = _walk(model, include_optimizer, save)
+        self._walks[include_optimizer] = (fits, visits)
+        return visits, data if save else None
+
 
 def _what_the_walk_depends_on(model: keras.Model) -> tuple:
-    """What a recorded walk is valid for: the model, its optimizer and all their variables
-    (an optimizer builds its variables on the first step; a recompile replaces it)."""
+    """What a recorded walk is valid for: the model, its optimizer, all their variables and
+    the model's layers (an optimizer builds its variables on the first step; a recompile
+    replaces it)."""
     optimizer = getattr(model, "optimizer", None)
     variables = list(model.weights)
     if optimizer is not None:
