@@ -5,6 +5,8 @@ model's variables change."""
 from __future__ import annotations
 
 import io
+import re
+import warnings
 
 import h5py
 import keras
@@ -157,10 +159,20 @@ def test_a_file_that_does_not_fit_gets_keras_own_error(trainer, tmp_path):
     other.compile(paper_adam(32, 10), loss=GlobalTokenCrossEntropy(0.1))
     path = tmp_path / "other.weights.h5"
     other.save_weights(path)
-    with pytest.raises(ValueError) as keras_error:
+    with warnings.catch_warnings(record=True) as keras_warnings, \
+            pytest.raises(ValueError) as keras_error:
+        warnings.simplefilter("always")
         model.load_weights(path)
     walk = WeightsWalk()
     walk.file_bytes(model, True)  # a recorded walk: its load fails, then Keras' raises
-    with pytest.raises(ValueError) as ours:
+    with warnings.catch_warnings(record=True) as our_warnings, \
+            pytest.raises(ValueError) as ours:
+        warnings.simplefilter("always")
         walk.load(model, path)
     assert str(ours.value) == str(keras_error.value)
+    # The same warnings as Keras' (the optimizer's can show twice: the replay warns, then
+    # Keras' own load does); optimizer names differ by their instance number only.
+    def messages(caught):
+        return {re.sub(r"fused_adam_\d+", "fused_adam", str(w.message)) for w in caught}
+    assert messages(keras_warnings)
+    assert messages(our_warnings) == messages(keras_warnings)
