@@ -28,7 +28,8 @@ torch.compile). `warm` in the JSON says what each warmer did:
   measured matmul peak. Candidates for a faster step are written `preset+change` in
   `--presets` (`STEP_CHANGES`: `flash`, attention by lengths through cuDNN's fused kernel;
   `dropout0` and `vocab8000`, upper bounds on what cheaper masks and a fused output layer and
-  loss could save); `--profile` traces a preset's step after timing it and summarises where
+  loss could save; `autodiffloss`, the loss's gradient by autodiff, for what the hand-written
+  one saves); `--profile` traces a preset's step after timing it and summarises where
   the device time goes (`benchmarks/device_trace.py`).
 - `torch`: the PyTorch peer on the same shapes: `nn.Transformer(d, h, L, L, d_ff, dropout,
   batch_first=True)` with sinusoidal positions, one embedding tied to the output projection,

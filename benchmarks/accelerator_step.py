@@ -38,6 +38,8 @@ STEP_CHANGES = {
     "dropout0": "no dropout (an upper bound on what cheaper dropout masks can save)",
     "vocab8000": "an 8,000 vocabulary (an upper bound on what a fused output layer and loss "
                  "can save; MFU counts the smaller output layer's FLOPs)",
+    "autodiffloss": "the loss's gradient by JAX's autodiff, as before the closed form of "
+                    "keras_transformer/training/losses_jax.py: what that form saves",
 }
 
 
@@ -168,8 +170,9 @@ def keras_step(name: str, settings: dict[str, Any],
     model = build_trainer(preset, vocab_size=vocab_size, dtype=precision,
                           flash_attention="flash" in changes,
                           **({"dropout": 0.0} if "dropout0" in changes else {}))
-    model.compile(optimizer=paper_adam(model.config.d_model),
-                  loss=GlobalTokenCrossEntropy(0.1),
+    loss = (_autodiff_loss_class()(0.1) if "autodiffloss" in changes
+            else GlobalTokenCrossEntropy(0.1))
+    model.compile(optimizer=paper_adam(model.config.d_model), loss=loss,
                   metrics=[MaskedAccuracy(), Perplexity()], accumulate_steps=1)
     features, labels = synthetic_batch(batch, source_length, target_length, vocab_size)
 
@@ -210,6 +213,25 @@ def keras_step(name: str, settings: dict[str, Any],
     del model
     keras.backend.clear_session()
     return result
+
+
+def _autodiff_loss_class():
+    """`GlobalTokenCrossEntropy` whose per-token loss is differentiated by JAX's autodiff
+    (the portable `keras.ops` loss) rather than by `losses_jax`'s hand-written gradient."""
+    from keras import ops
+
+    from keras_transformer.training.losses import (
+        GlobalTokenCrossEntropy,
+        _portable_cross_entropy,
+    )
+
+    class AutodiffGlobalTokenCrossEntropy(GlobalTokenCrossEntropy):
+        def sum_and_count(self, y_true, y_pred):
+            weights = ops.cast(ops.not_equal(y_true, 0), "float32")
+            losses = _portable_cross_entropy(y_true, y_pred, self.label_smoothing)
+            return ops.sum(losses * weights), ops.sum(weights)
+
+    return AutodiffGlobalTokenCrossEntropy
 
 
 def profiled_steps(model, batches, name: str, settings: dict[str, Any]) -> dict[str, Any]:

@@ -125,6 +125,54 @@ def check_parity(work: Path) -> dict:
             "parity_shape": list(logits.shape), "backend_of_parity": keras.backend.backend()}
 
 
+def check_loss_gradient(work: Path) -> dict:
+    """The loss's hand-written gradient (`losses_jax`) against JAX's autodiff of the same
+    loss and against TensorFlow's gradient, on TensorFlow's logits of real val sentences
+    (labels: the targets shifted left, padding 0 weighted 0)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from keras_transformer.training.losses import _portable_cross_entropy, token_cross_entropy
+
+    inputs = np.load(work / "parity_inputs.npz")
+    target = inputs["target"]
+    labels = jnp.asarray(np.concatenate([target[:, 1:], np.zeros_like(target[:, :1])], 1))
+    weights = (labels != 0).astype(jnp.float32)
+    found = {"real_tokens": int(weights.sum())}
+    for dtype in ("float32", "bfloat16"):
+        logits = jnp.asarray(inputs["tf_logits"], dtype)
+        for eps in (0.1, 0.0):
+            steps = {name: jax.jit(jax.value_and_grad(
+                lambda values, per_token=per_token, eps=eps: jnp.sum(
+                    per_token(labels, values, eps) * weights)))
+                for name, per_token in (("autodiff", _portable_cross_entropy),
+                                        ("closed_form", token_cross_entropy))}
+            (value_a, grad_a), (value_b, grad_b) = (steps[name](logits) for name in steps)
+            a, b = (np.asarray(g, "float64") for g in (grad_a, grad_b))
+            # The largest difference relative to the largest element (where softmax and the
+            # smoothed target cancel, round-off is all that is left), and element by element
+            # relative to the element (floored at 1e-6 of the largest): bfloat16 differs by
+            # at most a unit in its last place.
+            floor = 1e-6 * np.max(np.abs(a))
+            key = f"{dtype}_eps{eps}"
+            found[key] = {
+                "value_relative_difference": float(abs(value_a - value_b) / abs(value_a)),
+                "gradient_max_difference_to_largest": float(
+                    np.max(np.abs(a - b)) / np.max(np.abs(a))),
+                "gradient_max_elementwise_difference": float(
+                    np.max(np.abs(a - b) / np.maximum(np.abs(a), floor))),
+                "gradient_dtype": str(grad_b.dtype)}
+            if dtype == "float32" and eps == 0.1:
+                expected = inputs["tf_gradient"].astype("float64")
+                found[key]["against_tensorflow"] = float(
+                    np.max(np.abs(b - expected)) / np.max(np.abs(expected)))
+                compiled = steps["closed_form"].lower(logits).compile().as_text()
+                found["closed_form_scatters"] = len(re.findall(r"\bscatter\(", compiled))
+    return found
+
+
 def check_accumulation() -> tuple[dict, list]:
     """Accumulated micro-batches against one batch holding them all (Adam, 2 updates), and
     the SGD step against the token mean of all micro-batches. Also returns the accumulated
@@ -350,6 +398,7 @@ def main(work: Path) -> None:
 
     results["imports"] = timed("imports", check_imports)
     results["parity"] = timed("parity", lambda: check_parity(work))
+    results["loss_gradient"] = timed("loss_gradient", lambda: check_loss_gradient(work))
     results["accumulation"], accumulated = timed("accumulation", check_accumulation)
     results["data_parallel"] = timed("data_parallel", lambda: check_data_parallel(accumulated))
     results["loss_scaling"] = timed("loss_scaling", check_loss_scaling)

@@ -53,6 +53,22 @@ def _val_batch(multi30k_dir, model_dir):
     return padded(sources), padded(targets)
 
 
+def _tensorflow_loss_gradient(logits, target):
+    """d/d logits of the label-smoothed (0.1) token losses summed over real tokens, under
+    TensorFlow (its own hand-written gradient); labels are the targets shifted left."""
+    import tensorflow as tf
+
+    from keras_transformer.training.losses import token_cross_entropy
+
+    labels = np.concatenate([target[:, 1:], np.zeros_like(target[:, :1])], 1)
+    logits = tf.constant(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = tf.reduce_sum(token_cross_entropy(labels, logits, 0.1)
+                             * tf.cast(labels != 0, tf.float32))
+    return tape.gradient(loss, logits).numpy()
+
+
 @pytest.fixture(scope="module")
 def jax_results(tmp_path_factory, multi30k_dir) -> dict:
     work = tmp_path_factory.mktemp("jax_backend")
@@ -63,6 +79,7 @@ def jax_results(tmp_path_factory, multi30k_dir) -> dict:
     logits = np.asarray(model({"source": source, "target": target}, training=False))
     model.save_weights(work / "parity.weights.h5")
     np.savez(work / "parity_inputs.npz", source=source, target=target, tf_logits=logits,
+             tf_gradient=_tensorflow_loss_gradient(logits, target),
              config=json.dumps(PARITY_CONFIG))
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "jax_backend_checks.py"), str(work)],
@@ -83,6 +100,23 @@ def test_tensorflow_weights_give_the_same_logits_under_jax(jax_results):
     assert parity["backend_of_parity"] == "jax"
     assert parity["parity_shape"][0] == VAL_PAIRS and parity["parity_shape"][2] == 1000
     assert parity["parity_max_relative_difference"] <= 1e-4
+
+
+def test_the_loss_gradient_written_by_hand_is_autodiffs_and_tensorflows(jax_results):
+    found = jax_results["loss_gradient"]
+    assert found["real_tokens"] > 500
+    for dtype in ("float32", "bfloat16"):
+        for eps in (0.1, 0.0):
+            case = found[f"{dtype}_eps{eps}"]
+            assert case["gradient_dtype"] == dtype  # written in the logits' dtype
+            assert case["value_relative_difference"] <= 1e-6  # the same loss
+            if dtype == "float32":  # eps / V alone is 1e-4 of the largest element here
+                assert case["gradient_max_difference_to_largest"] <= 1e-6, eps
+            else:  # a unit in the last place at most, element by element
+                assert case["gradient_max_difference_to_largest"] <= 2.0**-8, eps
+                assert case["gradient_max_elementwise_difference"] <= 2.0**-7, eps
+    assert found["float32_eps0.1"]["against_tensorflow"] <= 1e-5
+    assert found["closed_form_scatters"] == 0  # autodiff scatters into (tokens, vocab)
 
 
 def test_accumulation_is_exact_under_jax(jax_results):

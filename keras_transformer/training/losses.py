@@ -5,7 +5,8 @@ bfloat16/float16. None materializes one-hot labels: the smoothed cross-entropy i
 (1 - eps) * NLL(label) + eps * (logsumexp(logits) - mean(logits)), since the smoothed target
 puts eps / V on every class. Written with `keras.ops` for every backend; under TensorFlow the
 per-token loss and its gradient are the fast paths of `losses_tensorflow` (a hand-written
-gradient, the fused CPU kernels), chosen there only.
+gradient, the fused CPU kernels), chosen there only; under JAX the gradient is written by
+hand too (`losses_jax`).
 
 Under `tf.distribute`, `GlobalTokenCrossEntropy` normalizes by the global batch's tokens.
 How Keras 3's TF trainer combines replicas (keras/src/backend/tensorflow/trainer.py,
@@ -34,8 +35,9 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     """Per-token (smoothed) cross-entropy.
 
     Under TensorFlow with a hand-written gradient fused with the loss (or the fused CPU
-    kernels): `keras_transformer.training.losses_tensorflow.token_cross_entropy`. Under other
-    backends `keras.ops` and autodiff, which XLA fuses.
+    kernels): `keras_transformer.training.losses_tensorflow.token_cross_entropy`. Under JAX
+    the same loss with a hand-written gradient (`losses_jax`). Under other backends
+    `keras.ops` and autodiff.
 
     Args:
         labels: int (batch, length).
@@ -45,10 +47,16 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     Returns:
         float32 (batch, length); not yet masked.
     """
-    if _backend_is_tensorflow():
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
         from keras_transformer.training import losses_tensorflow
 
         return losses_tensorflow.token_cross_entropy(labels, logits, label_smoothing)
+    if backend == "jax":
+        from keras_transformer.training import losses_jax
+
+        return losses_jax.token_cross_entropy(labels, logits, label_smoothing,
+                                              smoothed_cross_entropy_and_normalizer)
     return _portable_cross_entropy(labels, logits, label_smoothing)
 
 
@@ -63,8 +71,14 @@ def token_cross_entropy_value(labels, logits, label_smoothing: float = 0.0):
 
 
 def _portable_cross_entropy(labels, logits, label_smoothing: float):
-    """The smoothed cross-entropy in `keras.ops`: (1 - eps) * (logsumexp - logit[label])
-    + eps * (logsumexp - mean(logits)), in float32. float32 (batch, length)."""
+    """The smoothed cross-entropy in `keras.ops`, float32 (batch, length)."""
+    return smoothed_cross_entropy_and_normalizer(labels, logits, label_smoothing)[0]
+
+
+def smoothed_cross_entropy_and_normalizer(labels, logits, label_smoothing: float):
+    """(loss, logsumexp(logits)), both float32 (batch, length), in `keras.ops`: the loss is
+    (1 - eps) * (logsumexp - logit[label]) + eps * (logsumexp - mean(logits)), computed in
+    float32. Under JAX `losses_jax` gives it a hand-written gradient."""
     logits = ops.cast(logits, "float32")
     log_normalizer = ops.logsumexp(logits, axis=-1)
     labels = ops.expand_dims(ops.cast(labels, "int32"), -1)
@@ -72,7 +86,7 @@ def _portable_cross_entropy(labels, logits, label_smoothing: float):
     eps = float(label_smoothing)
     if eps:
         loss = (1.0 - eps) * loss + eps * (log_normalizer - ops.mean(logits, axis=-1))
-    return loss
+    return loss, log_normalizer
 
 
 def _real_tokens(labels):
