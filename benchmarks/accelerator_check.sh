@@ -23,7 +23,7 @@
 #    device time goes (a JAX profiler trace of 5 steps, summarised by kind of work), with
 #    timeout_s 330:
 #        bash benchmarks/accelerator_check.sh --parts step --budget 280 \
-#            --presets base,base+autodiffloss,base+flash,base+dropout0,base+vocab8000,big,big+flash \
+#            --presets base,base+autodiffloss,base+flash,big,big+flash,base+dropout0,base+vocab8000 \
 #            --profile base,base+flash
 # 3. Here, on a CPU, a test of every code path (tiny shapes, 20 float32 agreement steps):
 #        bash benchmarks/accelerator_check.sh --quick

@@ -217,19 +217,15 @@ def keras_step(name: str, settings: dict[str, Any],
 
 def _autodiff_loss_class():
     """`GlobalTokenCrossEntropy` whose per-token loss is differentiated by JAX's autodiff
-    (the portable `keras.ops` loss) rather than by `losses_jax`'s hand-written gradient."""
-    from keras import ops
-
-    from keras_transformer.training.losses import (
-        GlobalTokenCrossEntropy,
-        _portable_cross_entropy,
-    )
+    rather than by `losses_jax`'s hand-written gradient: under JAX the loss-only path
+    (`differentiable=False`, for metrics and validation) is the portable `keras.ops` loss,
+    which autodiff differentiates as the training loss was before `losses_jax`."""
+    from keras_transformer.training.losses import GlobalTokenCrossEntropy, masked_token_loss_sum
 
     class AutodiffGlobalTokenCrossEntropy(GlobalTokenCrossEntropy):
         def sum_and_count(self, y_true, y_pred):
-            weights = ops.cast(ops.not_equal(y_true, 0), "float32")
-            losses = _portable_cross_entropy(y_true, y_pred, self.label_smoothing)
-            return ops.sum(losses * weights), ops.sum(weights)
+            return masked_token_loss_sum(y_true, y_pred, self.label_smoothing,
+                                         differentiable=False)
 
     return AutodiffGlobalTokenCrossEntropy
 

@@ -43,17 +43,23 @@ def token_cross_entropy(labels, logits, label_smoothing: float, forward: Callabl
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _cross_entropy(forward: Callable, eps: float, labels, logits):
+    """`forward`'s loss, float32 (batch, length), differentiated by `_backward` (reverse
+    mode only: `jax.jvp` and `jax.hessian` of it raise, as of any `jax.custom_vjp`)."""
     return forward(labels, logits, eps)[0]
 
 
 def _forward(forward: Callable, eps: float, labels, logits):
+    """The loss and what `_backward` needs: int32 labels (batch, length), the logits (batch,
+    length, vocab) as given, their float32 logsumexp (batch, length)."""
     loss, log_normalizer = forward(labels, logits, eps)
     return loss, (labels, logits, log_normalizer)
 
 
 def _backward(forward: Callable, eps: float, residuals, upstream):
     """d loss / d logits = upstream * (exp(logits - logsumexp) - target), where the target is
-    1 - eps + eps / V at the label and eps / V elsewhere; labels are integers (no gradient)."""
+    1 - eps + eps / V at the label and eps / V elsewhere: (batch, length, vocab) in the
+    logits' dtype, from the float32 upstream gradient (batch, length); labels are integers
+    (no gradient: None)."""
     labels, logits, log_normalizer = residuals
     vocab = logits.shape[-1]
     classes = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
