@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import sys
+import warnings
 from pathlib import Path
 
 import keras
@@ -102,7 +103,19 @@ def _what_the_walk_depends_on(model: keras.Model) -> tuple:
 
 def _replay_load(visits: list[_Visit], path: str | Path) -> bool:
     """Loads each visited object's variables from `path` as Keras' `_load_state` walk does;
-    False if one of them could not load (the file does not fit the model)."""
+    False if one of them could not load (the file does not fit the model). The warnings of
+    a replay that loads are shown as Keras' load shows them; those of one that fails are
+    dropped, as Keras' own load, which the caller runs then, warns again."""
+    with warnings.catch_warnings(record=True) as caught:
+        loaded = _replay_each_load(visits, path)
+    if loaded:
+        for warning in caught:
+            warnings.showwarning(warning.message, warning.category, warning.filename,
+                                 warning.lineno, warning.file, warning.line)
+    return loaded
+
+
+def _replay_each_load(visits: list[_Visit], path: str | Path) -> bool:
     # Private Keras API, on purpose (checked against Keras 3.15.1; recheck on an upgrade):
     # `_load_state` visits the objects of a save walk that skips nothing, in the same order,
     # and asks each `load_own_variables(store.get(path))`, as here.
