@@ -53,14 +53,13 @@ def _val_batch(multi30k_dir, model_dir):
     return padded(sources), padded(targets)
 
 
-def _tensorflow_loss_gradient(logits, target):
+def _tensorflow_loss_gradient(logits, labels):
     """d/d logits of the label-smoothed (0.1) token losses summed over real tokens, under
-    TensorFlow (its own hand-written gradient); labels are the targets shifted left."""
+    TensorFlow (its own hand-written gradient)."""
     import tensorflow as tf
 
     from keras_transformer.training.losses import token_cross_entropy
 
-    labels = np.concatenate([target[:, 1:], np.zeros_like(target[:, :1])], 1)
     logits = tf.constant(logits)
     with tf.GradientTape() as tape:
         tape.watch(logits)
@@ -78,8 +77,10 @@ def jax_results(tmp_path_factory, multi30k_dir) -> dict:
     model = build_transformer(config.pop("preset"), **config)
     logits = np.asarray(model({"source": source, "target": target}, training=False))
     model.save_weights(work / "parity.weights.h5")
+    # The loss's labels: the targets shifted left, padded with 0 (weighted 0).
+    labels = np.concatenate([target[:, 1:], np.zeros_like(target[:, :1])], 1)
     np.savez(work / "parity_inputs.npz", source=source, target=target, tf_logits=logits,
-             tf_gradient=_tensorflow_loss_gradient(logits, target),
+             labels=labels, tf_gradient=_tensorflow_loss_gradient(logits, labels),
              config=json.dumps(PARITY_CONFIG))
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "jax_backend_checks.py"), str(work)],
