@@ -152,14 +152,6 @@ def keras_step(name: str, settings: dict[str, Any],
     left before `deadline`."""
     import keras
 
-    from keras_transformer.training.losses import (
-        GlobalTokenCrossEntropy,
-        MaskedAccuracy,
-        Perplexity,
-    )
-    from keras_transformer.training.optimizer import paper_adam
-    from keras_transformer.training.trainer_model import build_trainer
-
     preset, changes = step_variant(name)
     batch, source_length, target_length, vocab_size = STEP_SHAPES[preset]
     if "vocab8000" in changes:
@@ -167,13 +159,7 @@ def keras_step(name: str, settings: dict[str, Any],
     precision, window = settings["precision"], settings["window"]
     windows = max(1, settings["steps"] // window)
     keras.utils.set_random_seed(0)
-    model = build_trainer(preset, vocab_size=vocab_size, dtype=precision,
-                          flash_attention="flash" in changes,
-                          **({"dropout": 0.0} if "dropout0" in changes else {}))
-    loss = (_autodiff_loss_class()(0.1) if "autodiffloss" in changes
-            else GlobalTokenCrossEntropy(0.1))
-    model.compile(optimizer=paper_adam(model.config.d_model), loss=loss,
-                  metrics=[MaskedAccuracy(), Perplexity()], accumulate_steps=1)
+    model = compiled_trainer(preset, changes, vocab_size, precision)
     features, labels = synthetic_batch(batch, source_length, target_length, vocab_size)
 
     def forever():
@@ -213,6 +199,29 @@ def keras_step(name: str, settings: dict[str, Any],
     del model
     keras.backend.clear_session()
     return result
+
+
+def compiled_trainer(preset: str, changes: list[str], vocab_size: int, precision: str):
+    """`preset`'s `TransformerTrainer` with `changes` (`STEP_CHANGES`; `vocab8000` is the
+    caller's `vocab_size`), compiled as a run compiles it: the paper's Adam,
+    `GlobalTokenCrossEntropy(0.1)` (with autodiff's gradient under `autodiffloss`), the
+    run's metrics."""
+    from keras_transformer.training.losses import (
+        GlobalTokenCrossEntropy,
+        MaskedAccuracy,
+        Perplexity,
+    )
+    from keras_transformer.training.optimizer import paper_adam
+    from keras_transformer.training.trainer_model import build_trainer
+
+    model = build_trainer(preset, vocab_size=vocab_size, dtype=precision,
+                          flash_attention="flash" in changes,
+                          **({"dropout": 0.0} if "dropout0" in changes else {}))
+    loss = (_autodiff_loss_class()(0.1) if "autodiffloss" in changes
+            else GlobalTokenCrossEntropy(0.1))
+    model.compile(optimizer=paper_adam(model.config.d_model), loss=loss,
+                  metrics=[MaskedAccuracy(), Perplexity()], accumulate_steps=1)
+    return model
 
 
 def _autodiff_loss_class():

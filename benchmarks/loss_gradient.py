@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.accelerator_step import _autodiff_loss_class, keras_step  # noqa: E402
+from benchmarks.accelerator_step import compiled_trainer, keras_step  # noqa: E402
 from keras_transformer.training.losses import (  # noqa: E402
     _portable_cross_entropy,
     token_cross_entropy,
@@ -72,22 +72,12 @@ def step_buffers(vocab: int = 997) -> dict:
     import keras
 
     from benchmarks.accelerator_step import synthetic_batch
-    from keras_transformer.training.losses import (
-        GlobalTokenCrossEntropy,
-        MaskedAccuracy,
-        Perplexity,
-    )
-    from keras_transformer.training.optimizer import paper_adam
-    from keras_transformer.training.trainer_model import build_trainer
 
     found = {}
     for name in GRADIENTS:
         keras.utils.set_random_seed(0)
-        model = build_trainer("tiny", vocab_size=vocab, dtype="mixed_bfloat16")
-        loss = (_autodiff_loss_class()(0.1) if name == "autodiff"
-                else GlobalTokenCrossEntropy(0.1))
-        model.compile(optimizer=paper_adam(model.config.d_model), loss=loss,
-                      metrics=[MaskedAccuracy(), Perplexity()], accumulate_steps=1)
+        model = compiled_trainer("tiny", ["autodiffloss"] if name == "autodiff" else [],
+                                 vocab, "mixed_bfloat16")
         features, labels = synthetic_batch(8, 12, 13, vocab)
         model.fit(features, labels, batch_size=8, epochs=1, verbose=0)  # builds the state
         state = ([v.value for v in model.trainable_variables],
