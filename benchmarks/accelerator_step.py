@@ -12,11 +12,13 @@ are imported there only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -40,6 +42,9 @@ STEP_CHANGES = {
                  "can save; MFU counts the smaller output layer's FLOPs)",
     "autodiffloss": "the loss's gradient by JAX's autodiff, as before the closed form of "
                     "keras_transformer/training/losses_jax.py: what that form saves",
+    "separatestats": "the loss's and the metrics' statistics of the logits as separate "
+                     "reductions, as on CPUs (losses_jax.token_statistics): what their one "
+                     "pass saves",
 }
 
 
@@ -156,49 +161,79 @@ def keras_step(name: str, settings: dict[str, Any],
     batch, source_length, target_length, vocab_size = STEP_SHAPES[preset]
     if "vocab8000" in changes:
         vocab_size = 8000
-    precision, window = settings["precision"], settings["window"]
-    windows = max(1, settings["steps"] // window)
+    precision = settings["precision"]
     keras.utils.set_random_seed(0)
     model = compiled_trainer(preset, changes, vocab_size, precision)
     features, labels = synthetic_batch(batch, source_length, target_length, vocab_size)
-
-    def forever():
-        while True:
-            yield features, labels
-
-    start = time.perf_counter()
-    first = _EpochTimes.make()
-    model.fit(forever(), steps_per_epoch=1, epochs=1, verbose=0, callbacks=[first],
-              shuffle=False)
-    compile_seconds = first.times[-1] - start
-    timer = _EpochTimes.make()
-    start = time.perf_counter()
-    model.fit(forever(), steps_per_epoch=window, epochs=1 + windows, verbose=0,
-              callbacks=[timer], shuffle=False)
-    ends = [start, *timer.times]
-    window_seconds = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # after warm-up
+    with statistics_as(changes):  # the step is traced in the first `fit`
+        result = _timed_fit(model, features, labels, settings)
     flops = step_flops(preset, batch, source_length, target_length, vocab_size)
     result = {"preset": preset, "changes": changes, "batch": batch,
               "source_length": source_length, "target_length": target_length,
               "vocab_size": vocab_size,
               "parameters": int(model.count_params()), "dropout": model.config.dropout,
-              "precision": precision, "first_step_seconds": compile_seconds,
-              "warmup_window_seconds": ends[1] - ends[0], "window": window,
-              "timed_steps": window * len(window_seconds),
-              **step_timing(window_seconds, window, batch, target_length, flops),
-              "loss_first_step": first.losses[-1], "loss_last_window": timer.losses[-1],
-              "finite": all(math.isfinite(v) for v in [*first.losses, *timer.losses])}
+              "precision": precision, **result,
+              **step_timing(result.pop("window_seconds"), settings["window"], batch,
+                            target_length, flops)}
     if name in settings.get("profile", ()):
         if deadline is not None and seconds_left(deadline) < settings["profile_min_seconds"]:
             result["device_trace"] = {"skipped": "time budget"}
         else:
             try:  # the step's timing above stands whatever the profiler does
-                result["device_trace"] = profiled_steps(model, forever(), name, settings)
+                result["device_trace"] = profiled_steps(model, _repeated(features, labels),
+                                                        name, settings)
             except Exception as error:  # noqa: BLE001 (recorded beside the timing)
                 result["device_trace"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     del model
     keras.backend.clear_session()
     return result
+
+
+def _repeated(features, labels):
+    while True:
+        yield features, labels
+
+
+def _timed_fit(model, features, labels, settings: dict[str, Any]) -> dict[str, Any]:
+    """A first `fit` step (compilation), then `settings["steps"]` steps in windows of
+    `settings["window"]`, the first window a warm-up: times and losses."""
+    window = settings["window"]
+    windows = max(1, settings["steps"] // window)
+    start = time.perf_counter()
+    first = _EpochTimes.make()
+    model.fit(_repeated(features, labels), steps_per_epoch=1, epochs=1, verbose=0,
+              callbacks=[first], shuffle=False)
+    compile_seconds = first.times[-1] - start
+    timer = _EpochTimes.make()
+    start = time.perf_counter()
+    model.fit(_repeated(features, labels), steps_per_epoch=window, epochs=1 + windows,
+              verbose=0, callbacks=[timer], shuffle=False)
+    ends = [start, *timer.times]
+    return {"first_step_seconds": compile_seconds, "warmup_window_seconds": ends[1] - ends[0],
+            "window": window, "window_seconds": [b - a for a, b in zip(ends[1:], ends[2:],
+                                                                        strict=False)],
+            "timed_steps": window * (len(ends) - 2),
+            "loss_first_step": first.losses[-1], "loss_last_window": timer.losses[-1],
+            "finite": all(math.isfinite(v) for v in [*first.losses, *timer.losses])}
+
+
+@contextlib.contextmanager
+def statistics_as(changes: list[str]):
+    """Under `separatestats`, `losses_jax.token_statistics` computes the statistics as
+    separate reductions on every platform while the step is traced; otherwise nothing."""
+    if "separatestats" not in changes:
+        yield
+        return
+    import jax.numpy as jnp
+
+    from keras_transformer.training import losses_jax
+
+    def separate(labels, logits):
+        return losses_jax.TokenStatistics(*losses_jax._separate_reductions(
+            jnp.asarray(labels, jnp.int32), logits))
+
+    with mock.patch.object(losses_jax, "token_statistics", separate):
+        yield
 
 
 def compiled_trainer(preset: str, changes: list[str], vocab_size: int, precision: str):
@@ -225,16 +260,22 @@ def compiled_trainer(preset: str, changes: list[str], vocab_size: int, precision
 
 
 def _autodiff_loss_class():
-    """`GlobalTokenCrossEntropy` whose per-token loss is differentiated by JAX's autodiff
-    rather than by `losses_jax`'s hand-written gradient: under JAX the loss-only path
-    (`differentiable=False`, for metrics and validation) is the portable `keras.ops` loss,
-    which autodiff differentiates as the training loss was before `losses_jax`."""
-    from keras_transformer.training.losses import GlobalTokenCrossEntropy, masked_token_loss_sum
+    """`GlobalTokenCrossEntropy` whose per-token loss is the portable `keras.ops` loss
+    (`losses._portable_cross_entropy`: separate reductions), differentiated by JAX's
+    autodiff, as the training loss was before `losses_jax`."""
+    from keras import ops
+
+    from keras_transformer.training.losses import (
+        GlobalTokenCrossEntropy,
+        _portable_cross_entropy,
+        _real_tokens,
+    )
 
     class AutodiffGlobalTokenCrossEntropy(GlobalTokenCrossEntropy):
         def sum_and_count(self, y_true, y_pred):
-            return masked_token_loss_sum(y_true, y_pred, self.label_smoothing,
-                                         differentiable=False)
+            weights = _real_tokens(y_true)
+            losses = _portable_cross_entropy(y_true, y_pred, self.label_smoothing)
+            return ops.sum(losses * weights), ops.sum(weights)
 
     return AutodiffGlobalTokenCrossEntropy
 

@@ -176,6 +176,64 @@ def check_loss_gradient(work: Path) -> dict:
     return found
 
 
+def check_token_statistics(work: Path) -> dict:
+    """`losses_jax.token_statistics`' two forms, the one variadic reduction (accelerators)
+    against the separate reductions (CPUs), both run here on TensorFlow's logits of real val
+    sentences, in three dtypes; argmax ties and non-finite logits; and which form a step
+    lowered for a GPU or a CPU holds (`jax.export` lowers for a platform without its
+    device)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from keras_transformer.training import losses_jax
+
+    inputs = np.load(work / "parity_inputs.npz")
+    labels = jnp.asarray(inputs["labels"], jnp.int32)
+    separate = jax.jit(losses_jax._separate_reductions)
+    one = jax.jit(losses_jax._one_reduction)
+    found = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        logits = jnp.asarray(inputs["tf_logits"], dtype)
+        a, b = (losses_jax.TokenStatistics(*(np.asarray(v, "float64") for v in form(
+            labels, logits))) for form in (separate, one))
+        scale = float(np.max(np.abs(np.asarray(logits, "float64"))))
+        found[dtype] = {
+            "log_normalizer_relative": float(np.max(
+                np.abs(a.log_normalizer - b.log_normalizer) / np.abs(a.log_normalizer))),
+            "label_logit_difference": float(np.max(np.abs(a.label_logit - b.label_logit))),
+            "mean_logit_difference_to_largest": float(
+                np.max(np.abs(a.mean_logit - b.mean_logit)) / scale),
+            "argmax_disagreements": int(np.sum(a.best != b.best)),
+            "loss_relative": float(np.max(np.abs(
+                losses_jax.smoothed_cross_entropy(a, 0.1)
+                - losses_jax.smoothed_cross_entropy(b, 0.1))
+                / np.abs(losses_jax.smoothed_cross_entropy(a, 0.1))))}
+    # Ties in bfloat16 (first index wins, as argmax), and rows with inf or NaN logits.
+    row = np.linspace(-3.0, 3.0, 50)
+    rows = np.stack([row, np.where(np.arange(50) % 7 == 3, 3.0, row), row, row])
+    rows[2, 10], rows[3, 20] = np.inf, np.nan
+    tricky = jnp.asarray(rows[None], jnp.bfloat16)
+    tricky_labels = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    a, b = (form(tricky_labels, tricky) for form in (separate, one))
+    found["ties_best"] = [np.asarray(a[3])[0, :2].tolist(), np.asarray(b[3])[0, :2].tolist()]
+    found["non_finite_log_normalizer"] = [
+        [bool(np.isfinite(v)) for v in np.asarray(form[0])[0]] for form in (a, b)]
+    found["non_finite_loss"] = [
+        [bool(np.isfinite(v)) for v in np.asarray(losses_jax.smoothed_cross_entropy(
+            losses_jax.TokenStatistics(*form), 0.1))[0]] for form in (a, b)]
+    # The form each platform's step gets: stablehlo.reduce ops in the lowered statistics.
+    shapes = (jax.ShapeDtypeStruct(labels.shape, jnp.int32),
+              jax.ShapeDtypeStruct(inputs["tf_logits"].shape, jnp.bfloat16))
+    statistics = jax.jit(losses_jax.token_statistics)
+    found["reductions_lowered_for"] = {
+        platform: len(re.findall(r"stablehlo\.reduce[( ]", jax.export.export(
+            statistics, platforms=[platform])(*shapes).mlir_module()))
+        for platform in ("cuda", "cpu")}
+    return found
+
+
 def check_accumulation() -> tuple[dict, list]:
     """Accumulated micro-batches against one batch holding them all (Adam, 2 updates), and
     the SGD step against the token mean of all micro-batches. Also returns the accumulated
@@ -402,6 +460,8 @@ def main(work: Path) -> None:
     results["imports"] = timed("imports", check_imports)
     results["parity"] = timed("parity", lambda: check_parity(work))
     results["loss_gradient"] = timed("loss_gradient", lambda: check_loss_gradient(work))
+    results["token_statistics"] = timed("token_statistics",
+                                        lambda: check_token_statistics(work))
     results["accumulation"], accumulated = timed("accumulation", check_accumulation)
     results["data_parallel"] = timed("data_parallel", lambda: check_data_parallel(accumulated))
     results["loss_scaling"] = timed("loss_scaling", check_loss_scaling)

@@ -125,6 +125,25 @@ def test_the_loss_gradient_written_by_hand_is_autodiffs_and_tensorflows(jax_resu
     assert found["scatters"]["closed_form"] == 0
 
 
+def test_the_logits_statistics_are_one_reduction_on_accelerators_with_the_same_values(
+        jax_results):
+    found = jax_results["token_statistics"]
+    for dtype in ("float32", "bfloat16", "float16"):
+        case = found[dtype]
+        assert case["log_normalizer_relative"] <= 1e-6, dtype  # another summation order
+        assert case["label_logit_difference"] == 0.0, dtype  # the same element
+        assert case["mean_logit_difference_to_largest"] <= 1e-6, dtype
+        assert case["argmax_disagreements"] == 0, dtype
+        assert case["loss_relative"] <= 1e-6, dtype
+    assert found["ties_best"] == [[49, 3], [49, 3]]  # the first of the tied maxima
+    # A row with inf or NaN gives a non-finite loss in both forms (loss scaling needs it).
+    finite = [True, True, False, False]
+    assert found["non_finite_log_normalizer"] == [finite, finite]
+    assert found["non_finite_loss"] == [finite, finite]
+    # Lowered for a GPU the statistics are one variadic reduction; for a CPU, five.
+    assert found["reductions_lowered_for"] == {"cuda": 1, "cpu": 5}
+
+
 def test_accumulation_is_exact_under_jax(jax_results):
     accumulation = jax_results["accumulation"]
     assert accumulation["adam_iterations"] == [2, 2]  # updates, not micro-batches

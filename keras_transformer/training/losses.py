@@ -6,7 +6,8 @@ bfloat16/float16. None materializes one-hot labels: the smoothed cross-entropy i
 puts eps / V on every class. Written with `keras.ops` for every backend; under TensorFlow the
 per-token loss and its gradient are the fast paths of `losses_tensorflow` (a hand-written
 gradient, the fused CPU kernels), chosen there only; under JAX the gradient is written by
-hand too (`losses_jax`).
+hand too, and the loss and the metrics read the logits' per-token statistics in one shared
+pass on accelerators (`losses_jax`).
 
 Under `tf.distribute`, `GlobalTokenCrossEntropy` normalizes by the global batch's tokens.
 How Keras 3's TF trainer combines replicas (keras/src/backend/tensorflow/trainer.py,
@@ -55,18 +56,23 @@ def token_cross_entropy(labels, logits, label_smoothing: float = 0.0):
     if backend == "jax":
         from keras_transformer.training import losses_jax
 
-        return losses_jax.token_cross_entropy(labels, logits, label_smoothing,
-                                              smoothed_cross_entropy_and_normalizer)
+        return losses_jax.token_cross_entropy(labels, logits, label_smoothing)
     return _portable_cross_entropy(labels, logits, label_smoothing)
 
 
 def token_cross_entropy_value(labels, logits, label_smoothing: float = 0.0):
     """`token_cross_entropy` for metrics and validation: the loss only (under TensorFlow
-    nothing is prepared for a gradient). Args and returns as `token_cross_entropy`."""
-    if _backend_is_tensorflow():
+    nothing is prepared for a gradient; under JAX the same function, whose statistics the
+    loss and the metrics of a step share). Args and returns as `token_cross_entropy`."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
         from keras_transformer.training import losses_tensorflow
 
         return losses_tensorflow.token_cross_entropy_value(labels, logits, label_smoothing)
+    if backend == "jax":
+        from keras_transformer.training import losses_jax
+
+        return losses_jax.token_cross_entropy(labels, logits, label_smoothing)
     return _portable_cross_entropy(labels, logits, label_smoothing)
 
 
@@ -78,7 +84,8 @@ def _portable_cross_entropy(labels, logits, label_smoothing: float):
 def smoothed_cross_entropy_and_normalizer(labels, logits, label_smoothing: float):
     """(loss, logsumexp(logits)), both float32 (batch, length), in `keras.ops`: the loss is
     (1 - eps) * (logsumexp - logit[label]) + eps * (logsumexp - mean(logits)), computed in
-    float32. Under JAX `losses_jax` gives it a hand-written gradient."""
+    float32. Under JAX `losses_jax` computes the same formula, with a hand-written
+    gradient."""
     logits = ops.cast(logits, "float32")
     log_normalizer = ops.logsumexp(logits, axis=-1)
     labels = ops.expand_dims(ops.cast(labels, "int32"), -1)
@@ -188,7 +195,13 @@ class MaskedAccuracy(_MaskedMean):
         super().__init__(name=name, **kwargs)
 
     def per_token(self, y_true, y_pred):
-        predictions = ops.argmax(y_pred, axis=-1)
+        if keras.backend.backend() == "jax":
+            from keras_transformer.training import losses_jax
+
+            # The argmax of the pass over the logits that the loss reads too.
+            predictions = losses_jax.token_statistics(y_true, y_pred).best
+        else:
+            predictions = ops.argmax(y_pred, axis=-1)
         return ops.cast(ops.equal(ops.cast(y_true, "int32"), ops.cast(predictions, "int32")),
                         "float32")
 

@@ -1,68 +1,146 @@
-"""5.4's label-smoothed cross-entropy with its gradient written by hand, chosen under Keras'
-JAX backend by `keras_transformer.training.losses` (beside `losses_tensorflow`, which does
-the same for TensorFlow).
+"""5.4's label-smoothed cross-entropy under Keras' JAX backend: its gradient written by hand,
+and the per-token statistics of the logits that the loss and the metrics read in one pass on
+accelerators. Chosen by `keras_transformer.training.losses` (beside `losses_tensorflow`,
+which does the same for TensorFlow).
 
 JAX's autodiff of the loss differentiates the label's gather (`take_along_axis`) into a
 scatter-add over a zero (tokens, vocab) tensor, and logsumexp and the mean into their own
 (tokens, vocab) passes, then adds them: on (tokens, vocab) logits every one of these is a
 memory-bound pass. The gradient has a closed form, softmax - (1 - eps) * one_hot - eps / V,
 which `_backward` computes in one elementwise pass over the logits (the one-hot as a
-comparison with the label, never stored) and writes in the logits' dtype. The forward pass
-is the portable loss itself (`losses.smoothed_cross_entropy_and_normalizer`, passed in), so
-the loss values are those of autodiff, bit for bit; only the log-normalizer is kept for the
-backward pass, with the logits the model computed anyway.
+comparison with the label, never stored) and writes in the logits' dtype.
+
+The forward pass needs, per token, logsumexp, the label's logit and the mean logit, and the
+accuracy metric the first argmax. As separate reductions, XLA:GPU compiles the `base`
+trainer step (vocabulary 37,000, 25,600 target tokens) into four passes over the bfloat16
+logits (1.9 GB each) besides the gradient's, the loss's and the metrics' (`benchmarks/
+gpu_program.py`). `token_statistics` computes all four in one variadic reduction (an online
+softmax: a running maximum and the sum of exponentials rescaled to it) on GPUs and other
+accelerators; the metrics' statistics are then the loss's computation on the same labels,
+which XLA fuses into the gradient's pass over the logits: 5.9 GB of traffic outside the
+matmuls in place of 11.4 GB. XLA:CPU runs a variadic reduction element by element (the loss
+and metrics 2x slower on this project's CPU), so on CPUs the statistics are the separate reductions, with the values the
+portable loss (`losses.smoothed_cross_entropy_and_normalizer`) computes;
+`jax.lax.platform_dependent` chooses when the step is lowered for its device.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
-def token_cross_entropy(labels, logits, label_smoothing: float, forward: Callable):
+class TokenStatistics(NamedTuple):
+    """Per-token statistics of logits (batch, length, vocab) over the vocabulary, each
+    (batch, length): float32 unless said."""
+
+    log_normalizer: jax.Array  # logsumexp of the logits
+    label_logit: jax.Array  # the logit of the token's label
+    mean_logit: jax.Array  # the mean of the logits
+    best: jax.Array  # int32: the first index of the largest logit (argmax)
+
+
+def token_statistics(labels, logits) -> TokenStatistics:
+    """`TokenStatistics` of `logits` (batch, length, vocab), any float dtype, computed in
+    float32, for int `labels` (batch, length) in [0, vocab): one pass over the logits on
+    accelerators, separate reductions on CPUs (module docstring)."""
+    # Through float32, as Keras' `Loss.__call__` passes the loss its labels (its dtype):
+    # the metrics' labels are then the same values in the compiled step as the loss's, and
+    # XLA reads the logits for both in passes it needs anyway. Exact below 2**24 ids.
+    labels = jnp.asarray(labels, jnp.float32).astype(jnp.int32)
+    return TokenStatistics(*lax.platform_dependent(
+        labels, logits, cpu=_separate_reductions, default=_one_reduction))
+
+
+def _separate_reductions(labels, logits):
+    """`TokenStatistics` as `keras.ops` computes them under JAX (logsumexp, take_along_axis,
+    mean, argmax): the portable loss's values."""
+    x = logits.astype(jnp.float32)
+    label_logit = jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0]
+    return (jax.scipy.special.logsumexp(x, axis=-1), label_logit, jnp.mean(x, axis=-1),
+            jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+
+def _one_reduction(labels, logits):
+    """`TokenStatistics` from one variadic reduction over the vocabulary, whose accumulator
+    is (running maximum m, sum of exp(x - m), sum of x, the label's logit, the first index
+    of m)."""
+    x = logits.astype(jnp.float32)
+    classes = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    at_label = jnp.where(classes == labels[..., None], x, 0.0)
+    vocab = x.shape[-1]
+
+    def combine(a, b):
+        high_a, exp_sum_a, sum_a, label_a, index_a = a
+        high_b, exp_sum_b, sum_b, label_b, index_b = b
+        high = jnp.maximum(high_a, high_b)
+        # Each side's sum rescaled to the new maximum; the side holding it keeps its sum
+        # unscaled, so two empty sides (-inf, 0) give 0, not exp(-inf + inf) = nan.
+        exp_sum = (jnp.where(high_a == high, exp_sum_a, exp_sum_a * jnp.exp(high_a - high))
+                   + jnp.where(high_b == high, exp_sum_b, exp_sum_b * jnp.exp(high_b - high)))
+        first = (high_a > high_b) | ((high_a == high_b) & (index_a < index_b))
+        return (high, exp_sum, sum_a + sum_b, label_a + label_b,
+                jnp.where(first, index_a, index_b))
+
+    empty = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0),
+             jnp.int32(vocab))
+    high, exp_sum, total, label_logit, best = lax.reduce(
+        (x, jnp.ones_like(x), x, at_label, classes), empty, combine, (x.ndim - 1,))
+    return high + jnp.log(exp_sum), label_logit, total / vocab, best
+
+
+def smoothed_cross_entropy(statistics: TokenStatistics, label_smoothing: float):
+    """(1 - eps) * (logsumexp - logit[label]) + eps * (logsumexp - mean(logits)), float32
+    (batch, length): the portable loss's formula on `token_statistics`."""
+    loss = statistics.log_normalizer - statistics.label_logit
+    eps = float(label_smoothing)
+    if eps:
+        loss = (1.0 - eps) * loss + eps * (statistics.log_normalizer - statistics.mean_logit)
+    return loss
+
+
+def token_cross_entropy(labels, logits, label_smoothing: float):
     """Per-token (smoothed) cross-entropy whose gradient is one fused pass.
 
     Args:
         labels: int (batch, length).
         logits: (batch, length, vocab); computed in float32 whatever their dtype.
         label_smoothing: eps_ls; the target is (1 - eps) * one_hot + eps / vocab.
-        forward: `(labels, logits, eps) -> (loss, log-normalizer)`, both float32 (batch,
-            length): the loss as every backend computes it
-            (`losses.smoothed_cross_entropy_and_normalizer`).
 
     Returns:
         float32 (batch, length); not yet masked. Its gradient with respect to `logits` has
         the logits' dtype; `labels` get none.
     """
-    return _cross_entropy(forward, float(label_smoothing), jnp.asarray(labels, jnp.int32),
-                          logits)
+    return _cross_entropy(float(label_smoothing), jnp.asarray(labels, jnp.int32), logits)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cross_entropy(forward: Callable, eps: float, labels, logits):
-    """`forward`'s loss, float32 (batch, length), differentiated by `_backward` (reverse
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cross_entropy(eps: float, labels, logits):
+    """The smoothed loss, float32 (batch, length), differentiated by `_backward` (reverse
     mode only: `jax.jvp` and `jax.hessian` of it raise, as of any `jax.custom_vjp`)."""
-    return forward(labels, logits, eps)[0]
+    return smoothed_cross_entropy(token_statistics(labels, logits), eps)
 
 
-def _forward(forward: Callable, eps: float, labels, logits):
+def _forward(eps: float, labels, logits):
     """The loss and what `_backward` needs: int32 labels (batch, length), the logits (batch,
     length, vocab) as given, their float32 logsumexp (batch, length)."""
-    loss, log_normalizer = forward(labels, logits, eps)
-    return loss, (labels, logits, log_normalizer)
+    statistics = token_statistics(labels, logits)
+    return (smoothed_cross_entropy(statistics, eps),
+            (labels, logits, statistics.log_normalizer))
 
 
-def _backward(forward: Callable, eps: float, residuals, upstream):
+def _backward(eps: float, residuals, upstream):
     """d loss / d logits = upstream * (exp(logits - logsumexp) - target), where the target is
     1 - eps + eps / V at the label and eps / V elsewhere: (batch, length, vocab) in the
     logits' dtype, from the float32 upstream gradient (batch, length); labels are integers
     (no gradient: None)."""
     labels, logits, log_normalizer = residuals
     vocab = logits.shape[-1]
-    classes = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    classes = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     off_target = eps / vocab
     target = jnp.where(classes == labels[..., None], 1.0 - eps + off_target, off_target)
     probabilities = jnp.exp(logits.astype(jnp.float32) - log_normalizer[..., None])
