@@ -26,6 +26,9 @@ on the machine that measured BENCHMARKS.md's figures, for ptxas):
 Usage (BENCHMARKS.md, "On JAX"):
     /tmp/gpu-program/bin/python benchmarks/gpu_program.py --device h200 \\
         --presets base,base+separatestats,base+autodiffloss,big
+Untuned, XLA writes every matmul as a Triton kernel; on a GPU autotuning chooses between
+those and cuBLAS calls, whose bias epilogues save a pass. `XLA_FLAGS=
+--xla_gpu_enable_triton_gemm=false` compiles every matmul as a cuBLAS call: the other end.
 """
 
 from __future__ import annotations
@@ -126,13 +129,26 @@ def kernels(hlo: str) -> list[dict]:
                 or re.search(r"kind=(\w+)", attributes)
                 or re.search(r'custom_call_target="([^"]+)"', attributes))
         op_name = re.search(r'op_name="([^"]+)"', attributes)
+        flops = sum(_dot_flops(computations, computation) for computation in called)
+        written = _bytes(shape)
+        if opcode == "custom-call" and '"gemm_backend_config"' in attributes:
+            # A cuBLAS call: (result, s8 workspace); the workspace is scratch, not traffic.
+            written = _bytes(_ARRAY.search(shape).group(0))
+            flops = _gemm_flops(shapes.get(operands[0], ""), shape, attributes)
         found.append({
             "name": name, "kind": kind.group(1) if kind else opcode,
             "read": sum(_bytes(shapes.get(operand, "")) for operand in dict.fromkeys(operands)),
-            "written": _bytes(shape),
-            "flops": sum(_dot_flops(computations, computation) for computation in called),
+            "written": written, "flops": flops,
             "op_name": op_name.group(1) if op_name else ""})
     return found
+
+
+def _gemm_flops(left: str, result: str, attributes: str) -> int:
+    """2 x result elements x contracted size of a cuBLAS call (its `gemm_backend_config`)."""
+    contracted = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attributes)
+    axes = re.findall(r"\d+", contracted.group(1)) if contracted else []
+    dims = _dims(left)
+    return 2 * math.prod(_dims(result)) * math.prod(dims[int(axis)] for axis in axes)
 
 
 def summary(found: list[dict], device: str, top: int) -> dict:

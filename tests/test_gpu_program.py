@@ -72,3 +72,17 @@ def test_the_summary_folds_layers_and_bounds_each_kernel_by_flops_or_bytes():
     assert report["lower_bound_ms"] == pytest.approx(total / 4.8e12 * 1e3)
     assert "jvp(decoder_layer_N)/norm/reduce_sum" in report["by_group"]
     assert report["by_kind"]["__triton_nested_gemm_fusion"]["kernels"] == 1
+
+
+def test_a_cublas_call_counts_its_contraction_and_not_its_workspace():
+    hlo = """ENTRY %main.2 (p0: bf16[4,64,32], p1: bf16[4,32,16]) -> bf16[4,64,16] {
+  %p0 = bf16[4,64,32]{2,1,0} parameter(0)
+  %p1 = bf16[4,32,16]{2,1,0} parameter(1)
+  %custom-call.1 = (bf16[4,64,16]{2,1,0}, s8[33554432]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(encoder_layer_0)/self_attention/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]},"epilogue":"DEFAULT"}}
+  ROOT %get-tuple-element.1 = bf16[4,64,16]{2,1,0} get-tuple-element(%custom-call.1), index=0
+}
+"""
+    [gemm] = kernels(hlo)
+    assert gemm["kind"] == "__cublas$lt$matmul" and gemm["flops"] == 2 * 4 * 64 * 16 * 32
+    assert gemm["read"] == (4 * 64 * 32 + 4 * 32 * 16) * 2
+    assert gemm["written"] == 4 * 64 * 16 * 2  # the 32 MiB workspace left out
