@@ -166,22 +166,23 @@ def keras_step(name: str, settings: dict[str, Any],
     model = compiled_trainer(preset, changes, vocab_size, precision)
     features, labels = synthetic_batch(batch, source_length, target_length, vocab_size)
     with statistics_as(changes):  # the step is traced in the first `fit`
-        result = _timed_fit(model, features, labels, settings)
+        timed = _timed_fit(model, features, labels, settings)
+    window_seconds = timed.pop("window_seconds")
     flops = step_flops(preset, batch, source_length, target_length, vocab_size)
     result = {"preset": preset, "changes": changes, "batch": batch,
               "source_length": source_length, "target_length": target_length,
               "vocab_size": vocab_size,
               "parameters": int(model.count_params()), "dropout": model.config.dropout,
-              "precision": precision, **result,
-              **step_timing(result.pop("window_seconds"), settings["window"], batch,
-                            target_length, flops)}
+              "precision": precision, **timed,
+              **step_timing(window_seconds, settings["window"], batch, target_length, flops)}
     if name in settings.get("profile", ()):
         if deadline is not None and seconds_left(deadline) < settings["profile_min_seconds"]:
             result["device_trace"] = {"skipped": "time budget"}
         else:
             try:  # the step's timing above stands whatever the profiler does
-                result["device_trace"] = profiled_steps(model, _repeated(features, labels),
-                                                        name, settings)
+                with statistics_as(changes):  # the same program if it were traced again
+                    result["device_trace"] = profiled_steps(
+                        model, _repeated(features, labels), name, settings)
             except Exception as error:  # noqa: BLE001 (recorded beside the timing)
                 result["device_trace"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     del model
@@ -224,13 +225,11 @@ def statistics_as(changes: list[str]):
     if "separatestats" not in changes:
         yield
         return
-    import jax.numpy as jnp
-
     from keras_transformer.training import losses_jax
 
     def separate(labels, logits):
         return losses_jax.TokenStatistics(*losses_jax._separate_reductions(
-            jnp.asarray(labels, jnp.int32), logits))
+            losses_jax._label_ids(labels), logits))
 
     with mock.patch.object(losses_jax, "token_statistics", separate):
         yield

@@ -69,12 +69,18 @@ DEVICES = {
              "peak_tflops": 989.0, "bandwidth_tbps": 4.8},
 }
 
-_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-          "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_BITS = {"f64": 64, "s64": 64, "u64": 64, "c64": 64, "c128": 128, "f32": 32, "s32": 32,
+         "u32": 32, "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "s8": 8, "u8": 8, "pred": 8,
+         "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3": 8,
+         "f8e3m4": 8, "f8e8m0fnu": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s2": 2, "u2": 2,
+         "token": 0}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 # Instructions that launch nothing: views, tuples and constants.
 _NO_KERNEL = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant", "after-all",
               "opt-barrier", "partition-id", "replica-id"}
+# Instructions whose kernels live in other computations, or that pair with another: a
+# program holding them is not the straight line this accounting reads.
+_NOT_COUNTED = {"while", "conditional", "call", "async-start", "async-update", "async-done"}
 
 
 def step_program(name: str, device: str) -> str:
@@ -124,6 +130,9 @@ def kernels(hlo: str) -> list[dict]:
     for name, shape, opcode, operands, attributes in computations[entry]:
         if opcode in _NO_KERNEL:
             continue
+        if opcode in _NOT_COUNTED or opcode.endswith(("-start", "-done")):
+            raise ValueError(f"{name}: a {opcode} in the entry computation, whose work this "
+                             "accounting does not count (it reads straight-line programs)")
         called = re.findall(r"calls=%([^\s,]+)", attributes)
         kind = (re.search(r'"kind":"([^"]+)"', attributes)
                 or re.search(r"kind=(\w+)", attributes)
@@ -226,8 +235,12 @@ def _closing(text: str, start: int) -> int:
 
 
 def _bytes(shape: str) -> int:
-    return sum(_BYTES.get(dtype, 4) * math.prod(int(size) for size in sizes.split(",") if size)
-               for dtype, sizes in _ARRAY.findall(shape))
+    total = 0
+    for dtype, sizes in _ARRAY.findall(shape):
+        if dtype not in _BITS:
+            raise ValueError(f"unknown XLA element type {dtype!r} in {shape!r}")
+        total += _BITS[dtype] * math.prod(int(size) for size in sizes.split(",") if size)
+    return (total + 7) // 8
 
 
 def _dims(shape: str) -> list[int]:

@@ -191,38 +191,36 @@ def check_token_statistics(work: Path) -> dict:
 
     inputs = np.load(work / "parity_inputs.npz")
     labels = jnp.asarray(inputs["labels"], jnp.int32)
-    separate = jax.jit(losses_jax._separate_reductions)
-    one = jax.jit(losses_jax._one_reduction)
+    forms = {"separate": jax.jit(losses_jax._separate_reductions),
+             "one": jax.jit(losses_jax._one_reduction),
+             # The combiner as a GPU's tree applies it: partial results of chunks of the
+             # vocabulary, combined in a shuffled order, either side first.
+             "tree": lambda labels, logits: _in_shuffled_chunks(labels, logits, 96, seed=3)}
     found = {}
     for dtype in ("float32", "bfloat16", "float16"):
         logits = jnp.asarray(inputs["tf_logits"], dtype)
-        a, b = (losses_jax.TokenStatistics(*(np.asarray(v, "float64") for v in form(
-            labels, logits))) for form in (separate, one))
+        reference = losses_jax.TokenStatistics(*(
+            np.asarray(v, "float64") for v in forms["separate"](labels, logits)))
         scale = float(np.max(np.abs(np.asarray(logits, "float64"))))
-        found[dtype] = {
-            "log_normalizer_relative": float(np.max(
-                np.abs(a.log_normalizer - b.log_normalizer) / np.abs(a.log_normalizer))),
-            "label_logit_difference": float(np.max(np.abs(a.label_logit - b.label_logit))),
-            "mean_logit_difference_to_largest": float(
-                np.max(np.abs(a.mean_logit - b.mean_logit)) / scale),
-            "argmax_disagreements": int(np.sum(a.best != b.best)),
-            "loss_relative": float(np.max(np.abs(
-                losses_jax.smoothed_cross_entropy(a, 0.1)
-                - losses_jax.smoothed_cross_entropy(b, 0.1))
-                / np.abs(losses_jax.smoothed_cross_entropy(a, 0.1))))}
-    # Ties in bfloat16 (first index wins, as argmax), and rows with inf or NaN logits.
+        for form in ("one", "tree"):
+            other = losses_jax.TokenStatistics(*(
+                np.asarray(v, "float64") for v in forms[form](labels, logits)))
+            found[f"{dtype}_{form}"] = _statistics_differences(reference, other, scale)
+    # Ties in bfloat16 (the first index wins, as argmax), a row with inf, a row with NaN.
     row = np.linspace(-3.0, 3.0, 50)
     rows = np.stack([row, np.where(np.arange(50) % 7 == 3, 3.0, row), row, row])
     rows[2, 10], rows[3, 20] = np.inf, np.nan
     tricky = jnp.asarray(rows[None], jnp.bfloat16)
     tricky_labels = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-    a, b = (form(tricky_labels, tricky) for form in (separate, one))
-    found["ties_best"] = [np.asarray(a[3])[0, :2].tolist(), np.asarray(b[3])[0, :2].tolist()]
-    found["non_finite_log_normalizer"] = [
-        [bool(np.isfinite(v)) for v in np.asarray(form[0])[0]] for form in (a, b)]
-    found["non_finite_loss"] = [
-        [bool(np.isfinite(v)) for v in np.asarray(losses_jax.smoothed_cross_entropy(
-            losses_jax.TokenStatistics(*form), 0.1))[0]] for form in (a, b)]
+    results = {form: function(tricky_labels, tricky) for form, function in forms.items()}
+    found["tricky_best"] = {form: np.asarray(result[3])[0].tolist()
+                            for form, result in results.items()}
+    found["non_finite_log_normalizer"] = {
+        form: [bool(np.isfinite(v)) for v in np.asarray(result[0])[0]]
+        for form, result in results.items()}
+    found["non_finite_loss"] = {
+        form: [bool(np.isfinite(v)) for v in np.asarray(losses_jax.smoothed_cross_entropy(
+            losses_jax.TokenStatistics(*result), 0.1))[0]] for form, result in results.items()}
     # The form each platform's step gets: stablehlo.reduce ops in the lowered statistics.
     shapes = (jax.ShapeDtypeStruct(labels.shape, jnp.int32),
               jax.ShapeDtypeStruct(inputs["tf_logits"].shape, jnp.bfloat16))
@@ -232,6 +230,50 @@ def check_token_statistics(work: Path) -> dict:
             statistics, platforms=[platform])(*shapes).mlir_module()))
         for platform in ("cuda", "cpu")}
     return found
+
+
+def _statistics_differences(reference, other, scale: float) -> dict:
+    """How far two `TokenStatistics` (float64 numpy) are apart."""
+    from keras_transformer.training import losses_jax
+
+    loss_a = losses_jax.smoothed_cross_entropy(reference, 0.1)
+    loss_b = losses_jax.smoothed_cross_entropy(other, 0.1)
+    return {
+        "log_normalizer_relative": float(np.max(
+            np.abs(reference.log_normalizer - other.log_normalizer)
+            / np.abs(reference.log_normalizer))),
+        "label_logit_difference": float(np.max(np.abs(reference.label_logit
+                                                      - other.label_logit))),
+        "mean_logit_difference_to_largest": float(
+            np.max(np.abs(reference.mean_logit - other.mean_logit)) / scale),
+        "argmax_disagreements": int(np.sum(reference.best != other.best)),
+        "loss_relative": float(np.max(np.abs(loss_a - loss_b) / np.abs(loss_a)))}
+
+
+def _in_shuffled_chunks(labels, logits, chunk: int, seed: int):
+    """`losses_jax._one_reduction`'s statistics with its combiner applied as a tree: each
+    chunk of the vocabulary reduced alone, the partial results then combined in a random
+    order, the accumulator on a random side each time."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from keras_transformer.training import losses_jax
+
+    rng = np.random.default_rng(seed)
+    x = logits.astype(jnp.float32)
+    vocab = x.shape[-1]
+    classes = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    at_label = jnp.where(classes == labels[..., None], x, 0.0)
+    parts = [lax.reduce(tuple(v[..., start:start + chunk] for v in (
+        x, jnp.ones_like(x), x, at_label, classes)), losses_jax._empty(vocab),
+        losses_jax._combine, (x.ndim - 1,)) for start in range(0, vocab, chunk)]
+    order = rng.permutation(len(parts))
+    total = parts[order[0]]
+    for index in order[1:]:
+        pair = (total, parts[index]) if rng.random() < 0.5 else (parts[index], total)
+        total = losses_jax._combine(*pair)
+    high, exp_sum, logit_sum, label_logit, best = total
+    return high + jnp.log(exp_sum), label_logit, logit_sum / vocab, best
 
 
 def check_accumulation() -> tuple[dict, list]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gpu_program import kernels, summary
+from benchmarks.gpu_program import _bytes, kernels, summary
 
 # A logits matmul as a Triton gemm fusion, a tuple-shaped reduction over its output (with a
 # nested reduction computation), a bitcast and a get-tuple-element (no kernels), a copy.
@@ -86,3 +86,14 @@ def test_a_cublas_call_counts_its_contraction_and_not_its_workspace():
     assert gemm["kind"] == "__cublas$lt$matmul" and gemm["flops"] == 2 * 4 * 64 * 16 * 32
     assert gemm["read"] == (4 * 64 * 32 + 4 * 32 * 16) * 2
     assert gemm["written"] == 4 * 64 * 16 * 2  # the 32 MiB workspace left out
+
+
+def test_element_types_are_sized_and_loops_refused():
+    assert _bytes("(f8e4m3fn[16,4]{1,0}, s4[8]{0}, pred[3]{0})") == 64 + 4 + 3
+    with pytest.raises(ValueError, match="unknown XLA element type"):
+        _bytes("q7[4]{0}")
+    looped = HLO.replace("ROOT %copy.1 = f32[64]{0} copy(%get-tuple-element.1)",
+                         "ROOT %while.1 = f32[64]{0} while(%get-tuple-element.1), "
+                         "condition=%region_0.1, body=%region_0.1")
+    with pytest.raises(ValueError, match="while"):
+        kernels(looped)

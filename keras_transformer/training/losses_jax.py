@@ -1,7 +1,7 @@
 """5.4's label-smoothed cross-entropy under Keras' JAX backend: its gradient written by hand,
-and the per-token statistics of the logits that the loss and the metrics read in one pass on
-accelerators. Chosen by `keras_transformer.training.losses` (beside `losses_tensorflow`,
-which does the same for TensorFlow).
+and the per-token statistics of the logits that the loss and the metrics read, in one
+reduction on accelerators. Chosen by `keras_transformer.training.losses` (beside
+`losses_tensorflow`, which does the same for TensorFlow).
 
 JAX's autodiff of the loss differentiates the label's gather (`take_along_axis`) into a
 scatter-add over a zero (tokens, vocab) tensor, and logsumexp and the mean into their own
@@ -13,15 +13,16 @@ comparison with the label, never stored) and writes in the logits' dtype.
 The forward pass needs, per token, logsumexp, the label's logit and the mean logit, and the
 accuracy metric the first argmax. As separate reductions, XLA:GPU compiles the `base`
 trainer step (vocabulary 37,000, 25,600 target tokens) into four passes over the bfloat16
-logits (1.9 GB each) besides the gradient's, the loss's and the metrics' (`benchmarks/
-gpu_program.py`). `token_statistics` computes all four in one variadic reduction (an online
-softmax: a running maximum and the sum of exponentials rescaled to it) on GPUs and other
-accelerators; the metrics' statistics are then the loss's computation on the same labels,
-which XLA fuses into the gradient's pass over the logits: 5.9 GB of traffic outside the
-matmuls in place of 11.4 GB. XLA:CPU runs a variadic reduction element by element (the loss
-and metrics 2x slower on this project's CPU), so on CPUs the statistics are the separate reductions, with the values the
-portable loss (`losses.smoothed_cross_entropy_and_normalizer`) computes;
-`jax.lax.platform_dependent` chooses when the step is lowered for its device.
+logits (1.9 GB each) besides the gradient's, for the loss and the metrics together
+(`benchmarks/gpu_program.py`). `token_statistics` computes all four in one variadic
+reduction (an online softmax: a running maximum and the sum of exponentials rescaled to
+it) on GPUs and other accelerators: the loss reads the logits once for them, and the
+metrics' same reduction XLA fuses into the gradient's pass over the logits, 5.9 GB of
+traffic outside the matmuls in place of 11.4 GB. XLA:CPU runs a variadic reduction element
+by element (the loss and the metrics 2x slower on this project's CPU), so on CPUs the
+statistics are the separate reductions, with the values the portable loss
+(`losses.smoothed_cross_entropy_and_normalizer`) computes; `jax.lax.platform_dependent`
+chooses when the step is lowered for its device.
 """
 
 from __future__ import annotations
@@ -46,14 +47,23 @@ class TokenStatistics(NamedTuple):
 
 def token_statistics(labels, logits) -> TokenStatistics:
     """`TokenStatistics` of `logits` (batch, length, vocab), any float dtype, computed in
-    float32, for int `labels` (batch, length) in [0, vocab): one pass over the logits on
-    accelerators, separate reductions on CPUs (module docstring)."""
-    # Through float32, as Keras' `Loss.__call__` passes the loss its labels (its dtype):
-    # the metrics' labels are then the same values in the compiled step as the loss's, and
-    # XLA reads the logits for both in passes it needs anyway. Exact below 2**24 ids.
-    labels = jnp.asarray(labels, jnp.float32).astype(jnp.int32)
+    float32, for int `labels` (batch, length) in [0, vocab) (outside it the label's logit
+    is undefined, and differs between the forms): one pass over the logits on accelerators,
+    separate reductions on CPUs (module docstring). Not differentiable (JAX has no
+    derivative for a reduction with its own combiner, and traces both forms): the loss
+    differentiates through `token_cross_entropy`'s hand-written gradient."""
+    labels = _label_ids(labels)
     return TokenStatistics(*lax.platform_dependent(
         labels, logits, cpu=_separate_reductions, default=_one_reduction))
+
+
+def _label_ids(labels):
+    """int32 label ids, through float32 as Keras' `Loss.__call__` passes the loss its labels
+    (its dtype): the metrics' labels are then the loss's, one value in the compiled step,
+    and XLA fuses the metrics' reduction into the gradient's pass over the logits (with
+    int32 labels left as they are, the `base` step moves 1.9 GB more:
+    `benchmarks/gpu_program.py`). Exact for ids below 2**24."""
+    return jnp.asarray(labels, jnp.float32).astype(jnp.int32)
 
 
 def _separate_reductions(labels, logits):
@@ -66,31 +76,38 @@ def _separate_reductions(labels, logits):
 
 
 def _one_reduction(labels, logits):
-    """`TokenStatistics` from one variadic reduction over the vocabulary, whose accumulator
-    is (running maximum m, sum of exp(x - m), sum of x, the label's logit, the first index
-    of m)."""
+    """`TokenStatistics` from one variadic reduction over the vocabulary (`_combine`)."""
     x = logits.astype(jnp.float32)
     classes = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     at_label = jnp.where(classes == labels[..., None], x, 0.0)
-    vocab = x.shape[-1]
-
-    def combine(a, b):
-        high_a, exp_sum_a, sum_a, label_a, index_a = a
-        high_b, exp_sum_b, sum_b, label_b, index_b = b
-        high = jnp.maximum(high_a, high_b)
-        # Each side's sum rescaled to the new maximum; the side holding it keeps its sum
-        # unscaled, so two empty sides (-inf, 0) give 0, not exp(-inf + inf) = nan.
-        exp_sum = (jnp.where(high_a == high, exp_sum_a, exp_sum_a * jnp.exp(high_a - high))
-                   + jnp.where(high_b == high, exp_sum_b, exp_sum_b * jnp.exp(high_b - high)))
-        first = (high_a > high_b) | ((high_a == high_b) & (index_a < index_b))
-        return (high, exp_sum, sum_a + sum_b, label_a + label_b,
-                jnp.where(first, index_a, index_b))
-
-    empty = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0),
-             jnp.int32(vocab))
     high, exp_sum, total, label_logit, best = lax.reduce(
-        (x, jnp.ones_like(x), x, at_label, classes), empty, combine, (x.ndim - 1,))
-    return high + jnp.log(exp_sum), label_logit, total / vocab, best
+        (x, jnp.ones_like(x), x, at_label, classes), _empty(x.shape[-1]), _combine,
+        (x.ndim - 1,))
+    return high + jnp.log(exp_sum), label_logit, total / x.shape[-1], best
+
+
+def _empty(vocab: int) -> tuple:
+    """The reduction's identity: no logits seen (an index past the vocabulary)."""
+    return (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0),
+            jnp.int32(vocab))
+
+
+def _combine(a, b):
+    """Two partial accumulators (running maximum m, sum of exp(x - m), sum of x, the label's
+    logit, the first index of m) as one. Commutative and associative up to round-off, as
+    XLA's tree reductions need, NaN included: a NaN is the maximum and its first index wins,
+    as `jnp.argmax` has it."""
+    high_a, exp_sum_a, sum_a, label_a, index_a = a
+    high_b, exp_sum_b, sum_b, label_b, index_b = b
+    high = jnp.maximum(high_a, high_b)
+    # Each side's sum rescaled to the new maximum; the side holding it keeps its sum
+    # unscaled, so two empty sides (-inf, 0) give 0, not 0 * exp(-inf + inf) = nan.
+    exp_sum = (jnp.where(high_a == high, exp_sum_a, exp_sum_a * jnp.exp(high_a - high))
+               + jnp.where(high_b == high, exp_sum_b, exp_sum_b * jnp.exp(high_b - high)))
+    nan_a, nan_b = jnp.isnan(high_a), jnp.isnan(high_b)
+    tied = (high_a == high_b) | (nan_a & nan_b)
+    first = (high_a > high_b) | (nan_a & ~nan_b) | (tied & (index_a < index_b))
+    return high, exp_sum, sum_a + sum_b, label_a + label_b, jnp.where(first, index_a, index_b)
 
 
 def smoothed_cross_entropy(statistics: TokenStatistics, label_smoothing: float):
@@ -107,7 +124,7 @@ def token_cross_entropy(labels, logits, label_smoothing: float):
     """Per-token (smoothed) cross-entropy whose gradient is one fused pass.
 
     Args:
-        labels: int (batch, length).
+        labels: int (batch, length), or their float32 values (as Keras' losses get them).
         logits: (batch, length, vocab); computed in float32 whatever their dtype.
         label_smoothing: eps_ls; the target is (1 - eps) * one_hot + eps / vocab.
 
@@ -115,7 +132,7 @@ def token_cross_entropy(labels, logits, label_smoothing: float):
         float32 (batch, length); not yet masked. Its gradient with respect to `logits` has
         the logits' dtype; `labels` get none.
     """
-    return _cross_entropy(float(label_smoothing), jnp.asarray(labels, jnp.int32), logits)
+    return _cross_entropy(float(label_smoothing), jnp.asarray(labels), logits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -126,7 +143,7 @@ def _cross_entropy(eps: float, labels, logits):
 
 
 def _forward(eps: float, labels, logits):
-    """The loss and what `_backward` needs: int32 labels (batch, length), the logits (batch,
+    """The loss and what `_backward` needs: the labels (batch, length), the logits (batch,
     length, vocab) as given, their float32 logsumexp (batch, length)."""
     statistics = token_statistics(labels, logits)
     return (smoothed_cross_entropy(statistics, eps),
@@ -136,9 +153,10 @@ def _forward(eps: float, labels, logits):
 def _backward(eps: float, residuals, upstream):
     """d loss / d logits = upstream * (exp(logits - logsumexp) - target), where the target is
     1 - eps + eps / V at the label and eps / V elsewhere: (batch, length, vocab) in the
-    logits' dtype, from the float32 upstream gradient (batch, length); labels are integers
-    (no gradient: None)."""
+    logits' dtype, from the float32 upstream gradient (batch, length); the labels get no
+    gradient (None)."""
     labels, logits, log_normalizer = residuals
+    labels = _label_ids(labels)
     vocab = logits.shape[-1]
     classes = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     off_target = eps / vocab
