@@ -16,9 +16,9 @@ trainer step (vocabulary 37,000, 25,600 target tokens) into four passes over the
 logits (1.9 GB each) besides the gradient's, for the loss and the metrics together
 (`benchmarks/gpu_program.py`). `token_statistics` computes all four in one variadic
 reduction (an online softmax: a running maximum and the sum of exponentials rescaled to
-it) on GPUs and other accelerators: the loss reads the logits once for them, and the
-metrics' same reduction XLA fuses into the gradient's pass over the logits, 5.9 GB of
-traffic outside the matmuls in place of 11.4 GB. XLA:CPU runs a variadic reduction element
+it) on GPUs and other accelerators, which the loss and the metrics share (one read of the
+logits for both): with the gradient's pass, 5.9 GB of traffic over the logits outside the
+matmuls in place of 11.4 GB. XLA:CPU runs a variadic reduction element
 by element (the loss and the metrics 2x slower on this project's CPU), so on CPUs the
 statistics are the separate reductions, with the values the portable loss
 (`losses.smoothed_cross_entropy_and_normalizer`) computes; `jax.lax.platform_dependent`
@@ -60,8 +60,8 @@ def token_statistics(labels, logits) -> TokenStatistics:
 def _label_ids(labels):
     """int32 label ids, through float32 as Keras' `Loss.__call__` passes the loss its labels
     (its dtype): the metrics' labels are then the loss's, one value in the compiled step,
-    and XLA fuses the metrics' reduction into the gradient's pass over the logits (with
-    int32 labels left as they are, the `base` step moves 1.9 GB more:
+    and XLA computes the metrics' statistics in the loss's pass over the logits (with int32
+    labels left as they are, the `base` step moves 1.9 GB more:
     `benchmarks/gpu_program.py`). Exact for ids below 2**24."""
     return jnp.asarray(labels, jnp.float32).astype(jnp.int32)
 
