@@ -258,6 +258,14 @@ def compiled_trainer(preset: str, changes: list[str], vocab_size: int, precision
     return model
 
 
+def trainer_state(model) -> tuple[list, list, list, list]:
+    """The state Keras' JAX `train_step` takes, as `fit` passes it: the values of the
+    trainable, non-trainable, optimizer and metrics variables."""
+    return tuple([variable.value for variable in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+        model.metrics_variables))
+
+
 def _autodiff_loss_class():
     """`GlobalTokenCrossEntropy` whose per-token loss is the portable `keras.ops` loss
     (`losses._portable_cross_entropy`: separate reductions), differentiated by JAX's

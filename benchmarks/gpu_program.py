@@ -95,6 +95,7 @@ def step_program(name: str, device: str) -> str:
         statistics_as,
         step_variant,
         synthetic_batch,
+        trainer_state,
     )
 
     preset, changes = step_variant(name)
@@ -112,12 +113,9 @@ def step_program(name: str, device: str) -> str:
     def abstract(value):
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)
 
-    state = tuple([abstract(v.value) for v in variables] for variables in (
-        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
-        model.metrics_variables))
     with statistics_as(changes):
         lowered = jax.jit(model.train_step, donate_argnums=0).lower(
-            state, jax.tree.map(abstract, data))
+            *jax.tree.map(abstract, (trainer_state(model), data)))
     return lowered.compile().as_text()
 
 

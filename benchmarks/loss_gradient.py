@@ -32,7 +32,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.accelerator_step import compiled_trainer, keras_step  # noqa: E402
+from benchmarks.accelerator_step import (  # noqa: E402
+    compiled_trainer,
+    keras_step,
+    trainer_state,
+)
 from keras_transformer.training.losses import (  # noqa: E402
     _portable_cross_entropy,
     token_cross_entropy,
@@ -80,11 +84,8 @@ def step_buffers(vocab: int = 997) -> dict:
                                  vocab, "mixed_bfloat16")
         features, labels = synthetic_batch(8, 12, 13, vocab)
         model.fit(features, labels, batch_size=8, epochs=1, verbose=0)  # builds the state
-        state = ([v.value for v in model.trainable_variables],
-                 [v.value for v in model.non_trainable_variables],
-                 [v.value for v in model.optimizer.variables],
-                 [v.value for v in model.metrics_variables])
-        text = jax.jit(model.train_step).lower(state, (features, labels)).compile().as_text()
+        text = jax.jit(model.train_step).lower(trainer_state(model),
+                                               (features, labels)).compile().as_text()
         entry = text[text.index("\nENTRY"):]
         shapes = re.findall(rf"= (\w+)\[(?:8,13|104),{vocab}\]", entry)
         found[name] = {"buffers": len(shapes), "dtypes": shapes}

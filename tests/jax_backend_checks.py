@@ -254,26 +254,22 @@ def _in_shuffled_chunks(labels, logits, chunk: int, seed: int):
     """`losses_jax._one_reduction`'s statistics with its combiner applied as a tree: each
     chunk of the vocabulary reduced alone, the partial results then combined in a random
     order, the accumulator on a random side each time."""
-    import jax.numpy as jnp
     from jax import lax
 
     from keras_transformer.training import losses_jax
 
     rng = np.random.default_rng(seed)
-    x = logits.astype(jnp.float32)
-    vocab = x.shape[-1]
-    classes = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    at_label = jnp.where(classes == labels[..., None], x, 0.0)
-    parts = [lax.reduce(tuple(v[..., start:start + chunk] for v in (
-        x, jnp.ones_like(x), x, at_label, classes)), losses_jax._empty(vocab),
-        losses_jax._combine, (x.ndim - 1,)) for start in range(0, vocab, chunk)]
+    operands = losses_jax._reduced_operands(labels, logits)
+    vocab = logits.shape[-1]
+    parts = [lax.reduce(tuple(v[..., start:start + chunk] for v in operands),
+                        losses_jax._empty(vocab), losses_jax._combine, (logits.ndim - 1,))
+             for start in range(0, vocab, chunk)]
     order = rng.permutation(len(parts))
     total = parts[order[0]]
     for index in order[1:]:
         pair = (total, parts[index]) if rng.random() < 0.5 else (parts[index], total)
         total = losses_jax._combine(*pair)
-    high, exp_sum, logit_sum, label_logit, best = total
-    return high + jnp.log(exp_sum), label_logit, logit_sum / vocab, best
+    return losses_jax._statistics(total, vocab)
 
 
 def check_accumulation() -> tuple[dict, list]:

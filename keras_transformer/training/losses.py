@@ -77,15 +77,9 @@ def token_cross_entropy_value(labels, logits, label_smoothing: float = 0.0):
 
 
 def _portable_cross_entropy(labels, logits, label_smoothing: float):
-    """The smoothed cross-entropy in `keras.ops`, float32 (batch, length)."""
-    return smoothed_cross_entropy_and_normalizer(labels, logits, label_smoothing)[0]
-
-
-def smoothed_cross_entropy_and_normalizer(labels, logits, label_smoothing: float):
-    """(loss, logsumexp(logits)), both float32 (batch, length), in `keras.ops`: the loss is
-    (1 - eps) * (logsumexp - logit[label]) + eps * (logsumexp - mean(logits)), computed in
-    float32. Under JAX `losses_jax` computes the same formula, with a hand-written
-    gradient."""
+    """The smoothed cross-entropy in `keras.ops`: (1 - eps) * (logsumexp - logit[label])
+    + eps * (logsumexp - mean(logits)), in float32. float32 (batch, length). Under JAX
+    `losses_jax` computes the same formula, with a hand-written gradient."""
     logits = ops.cast(logits, "float32")
     log_normalizer = ops.logsumexp(logits, axis=-1)
     labels = ops.expand_dims(ops.cast(labels, "int32"), -1)
@@ -93,7 +87,7 @@ def smoothed_cross_entropy_and_normalizer(labels, logits, label_smoothing: float
     eps = float(label_smoothing)
     if eps:
         loss = (1.0 - eps) * loss + eps * (log_normalizer - ops.mean(logits, axis=-1))
-    return loss, log_normalizer
+    return loss
 
 
 def _real_tokens(labels):

@@ -21,7 +21,7 @@ logits for both): with the gradient's pass, 5.9 GB of traffic over the logits ou
 matmuls in place of 11.4 GB. XLA:CPU runs a variadic reduction element
 by element (the loss and the metrics 2x slower on this project's CPU), so on CPUs the
 statistics are the separate reductions, with the values the portable loss
-(`losses.smoothed_cross_entropy_and_normalizer`) computes; `jax.lax.platform_dependent`
+(`losses._portable_cross_entropy`) computes; `jax.lax.platform_dependent`
 chooses when the step is lowered for its device.
 """
 
@@ -77,13 +77,25 @@ def _separate_reductions(labels, logits):
 
 def _one_reduction(labels, logits):
     """`TokenStatistics` from one variadic reduction over the vocabulary (`_combine`)."""
+    operands = _reduced_operands(labels, logits)
+    vocab = logits.shape[-1]
+    return _statistics(lax.reduce(operands, _empty(vocab), _combine, (logits.ndim - 1,)),
+                       vocab)
+
+
+def _reduced_operands(labels, logits) -> tuple:
+    """What `_combine` reduces, each like `logits` (batch, length, vocab): the float32
+    logits as the maximum, ones for the sum of exponentials, the logits for their sum, the
+    label's logit (0 elsewhere), the class indices."""
     x = logits.astype(jnp.float32)
     classes = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    at_label = jnp.where(classes == labels[..., None], x, 0.0)
-    high, exp_sum, total, label_logit, best = lax.reduce(
-        (x, jnp.ones_like(x), x, at_label, classes), _empty(x.shape[-1]), _combine,
-        (x.ndim - 1,))
-    return high + jnp.log(exp_sum), label_logit, total / x.shape[-1], best
+    return x, jnp.ones_like(x), x, jnp.where(classes == labels[..., None], x, 0.0), classes
+
+
+def _statistics(accumulator: tuple, vocab: int) -> tuple:
+    """`TokenStatistics`' fields from `_combine`'s accumulator over the whole vocabulary."""
+    high, exp_sum, total, label_logit, best = accumulator
+    return high + jnp.log(exp_sum), label_logit, total / vocab, best
 
 
 def _empty(vocab: int) -> tuple:
